@@ -1,0 +1,90 @@
+"""Proportional attention: softmax(q·k/√d + log_n) over a merged cache, on SDPA.
+
+An entry standing for n identical tokens gets exactly the attention those n tokens would get, so
+merging identical tokens is lossless. With `log_n is None` (plain cache) the stock transformers
+`sdpa` function runs unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+ATTN_NAME = "kvmerge"
+
+
+def attention_bias(log_n: torch.Tensor, q_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive bias `(batch, kv_heads, q_len, slots)`: log_n, causal over the last `q_len` slots.
+
+    Each query always sees its own slot (bias 0), so a padding query stays finite.
+    """
+    b, h, s = log_n.shape
+    bias = log_n.to(dtype)[:, :, None, :]
+    if q_len == 1:  # a decoding token is never padding
+        return bias
+    past = s - q_len
+    i = torch.arange(q_len, device=log_n.device)[:, None]
+    j = torch.arange(s, device=log_n.device)[None, :] - past
+    causal = torch.zeros(q_len, s, dtype=dtype, device=log_n.device).masked_fill_(j > i, float("-inf"))
+    bias = bias + causal
+    bias[..., torch.arange(q_len), past + torch.arange(q_len)] = 0.0
+    return bias
+
+
+def biased_sdpa(query, key, value, log_n, scaling=None):
+    """SDPA with the log-mass bias, GQA by packing query heads onto their KV head (no repeat_kv).
+
+    query `(b, hq, q, d)`, key/value `(b, hkv, s, d)`, log_n `(b, hkv, s)` → `(b, q, hq, d)`.
+    """
+    b, hq, q, d = query.shape
+    hkv = key.shape[1]
+    rep = hq // hkv
+    bias = attention_bias(log_n, q, query.dtype)  # (b, hkv, q, s)
+    packed = query.reshape(b, hkv, rep * q, d)
+    if q > 1 and rep > 1:
+        bias = bias[:, :, None].expand(b, hkv, rep, q, bias.shape[-1]).reshape(b, hkv, rep * q, -1)
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=bias, scale=scaling)
+    return out.reshape(b, hq, q, value.shape[-1]).transpose(1, 2)
+
+
+def proportional_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                           is_causal=None, kvmerge_layer=None, **kwargs):
+    """Registered as transformers attention `"kvmerge"`; reads the layer's log_n from the cache."""
+    if attention_mask is not None:
+        raise ValueError("kvmerge attention builds its own mask; pass no 4D attention_mask "
+                         "(for padded batches use kvmerge.generate)")
+    layer = kvmerge_layer
+    if layer is not None:
+        layer.capture(query)
+    log_n = None if layer is None else layer.log_n
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if log_n is None and (q_len == 1 or kv_len == q_len):
+        out, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+                                        is_causal=True, **kwargs)
+    else:
+        if log_n is None:
+            log_n = layer.full_log_n()
+        out = biased_sdpa(query, key, value, log_n, scaling)
+    if layer is not None and layer.decode_hook is not None and q_len == 1:
+        layer.decode_hook(layer, query)
+    return out, None
+
+
+def padding_free_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                      attention_mask=None, **kwargs):
+    """Mask function paired with `"kvmerge"`: masks come from log_n, so none is built here."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("a padded attention_mask is not supported with kvmerge attention: padding lives in "
+                         "the cache's log_n; use kvmerge.generate(...) for batches of different lengths")
+    return None
+
+
+def register() -> None:
+    AttentionInterface.register(ATTN_NAME, proportional_attention)
+    AttentionMaskInterface.register(ATTN_NAME, padding_free_mask)
+
+
+register()

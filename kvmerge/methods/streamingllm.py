@@ -1,0 +1,21 @@
+"""StreamingLLM (Xiao et al., 2023, arXiv 2309.17453): attention sinks plus a recent window."""
+
+from dataclasses import dataclass
+
+from .base import Method, register
+
+
+@register
+@dataclass
+class StreamingLLM(Method):
+    """Keep the first `sinks` tokens and the most recent ones, filling the budget; evict the rest."""
+
+    name = "streamingllm"
+
+    def compress(self, keys, values, log_n, ctx):
+        s = keys.shape[2]
+        if ctx.target >= s:
+            return keys, values, log_n
+        recent = ctx.target - min(ctx.sinks, ctx.target)
+        keep = list(range(min(ctx.sinks, ctx.target))) + list(range(s - recent, s))
+        return keys[:, :, keep], values[:, :, keep], log_n[:, :, keep]

