@@ -1,0 +1,1 @@
+"""Evaluation tasks and the benchmark runner (outside the library core)."""
