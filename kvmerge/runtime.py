@@ -93,10 +93,11 @@ def compress_cache(cache: MergedCache, method: Method, config, token_rows=None, 
 def _as_rows(x, what: str) -> list[list[int]]:
     if isinstance(x, torch.Tensor):
         x = x.tolist() if x.dim() == 2 else [x.tolist()]
-    if not isinstance(x, (list, tuple)) or not x:
+    if not isinstance(x, (list, tuple)):
         raise TypeError(f"{what} must be a list of token ids or a list of such lists")
-    rows = [list(r) for r in x] if isinstance(x[0], (list, tuple)) else [list(x)]
-    return rows
+    if not x:
+        return [[]]
+    return [list(r) for r in x] if isinstance(x[0], (list, tuple)) else [list(x)]
 
 
 @torch.inference_mode()

@@ -1,0 +1,67 @@
+"""Tiny random models built from configs (no downloads) and shared helpers."""
+
+import pytest
+import torch
+from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
+
+import kvmerge
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096)
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
+}
+
+
+def tiny_model(arch="llama", seed=0, dtype=torch.float32, **overrides):
+    cfg_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    config = cfg_cls(**{**TINY, **extra, **overrides})
+    config._attn_implementation = "sdpa"
+    return model_cls(config).to(dtype).eval()
+
+
+@pytest.fixture
+def llama():
+    return tiny_model("llama")
+
+
+def random_ids(n, seed=0, vocab=96):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def stock_logits(model, ids, steps):
+    """Logits of stock sdpa + DynamicCache: prefill, then `steps` greedy decode steps."""
+    model.set_attn_implementation("sdpa")
+    cache = DynamicCache(config=model.config)
+    out = []
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), cache=cache, use_cache=True).logits[:, -1]
+        out.append(logits)
+        for _ in range(steps):
+            nxt = logits.argmax(-1, keepdim=True)
+            logits = model(nxt, cache=cache, use_cache=True).logits[:, -1]
+            out.append(logits)
+    return torch.cat(out)
+
+
+def session_logits(model, ids, steps, method=None, split=None):
+    """The same through kvmerge's Session (optionally compressing after the first `split` tokens)."""
+    s = kvmerge.Session(model, 1)
+    out = []
+    with torch.no_grad():
+        first = ids if split is None else ids[:split]
+        logits = s.forward([first])
+        if method is not None:
+            s.compress(method, [first])
+        if split is not None:
+            logits = s.forward([ids[split:]])
+        out.append(logits)
+        for _ in range(steps):
+            logits = s.forward([[int(logits.argmax(-1))]])
+            out.append(logits)
+    return torch.cat(out), s
