@@ -1,0 +1,151 @@
+"""SemantiCache (arXiv 2603.14303): delimiter chunks, Greedy Seed-based Clustering, semantic cores."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.gsc import STRONG_ANCHOR, chunk_layout, delimiter_table, greedy_seed_clustering
+from ..ops.merge import merge_clusters
+from .base import Method, register
+
+CHUNKINGS = ("delimiter", "fixed", "none")
+
+
+@register
+@dataclass
+class SemantiCache(Method):
+    """Split the context at punctuation, cluster keys inside each chunk with GSC (cosine ≥ τ to the
+    seed), merge each cluster into its mass-weighted mean with log-mass log|S|; delimiters stay.
+
+    τ is found per layer and KV head by bisection (least merging within the budget) unless `tau` is
+    given. Below the floor (anchors + one core per chunk) chunks grow hierarchically: weak delimiters
+    `,;:` are merged into chunks, then sentences, then chunks double; `stats["fallback_layers"]` counts it.
+    Ablations: `chunking="fixed"` (64-token chunks), `"none"` (one global cluster pass),
+    `proportional=False` (no log-mass bias).
+    """
+
+    tau: float | None = None
+    chunk_cap: int = 64
+    chunking: str = "delimiter"
+    shared_heads: bool = False
+    proportional: bool = True
+    search_rounds: int = 3
+    search_width: int = 7
+    name = "semanticache"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.chunking not in CHUNKINGS:
+            raise ValueError(f"chunking must be one of {CHUNKINGS}, got {self.chunking!r}")
+        if self.chunk_cap < 1:
+            raise ValueError(f"chunk_cap must be >= 1, got {self.chunk_cap}")
+        self._table = None
+
+    def setup(self, model, tokenizer):
+        if self.chunking == "delimiter":
+            if tokenizer is None:
+                raise ValueError("SemantiCache's delimiter chunking needs the tokenizer: use kvmerge.generate, "
+                                 "or pass tokenizer= to generate_ids")
+            self._table = delimiter_table(tokenizer)
+        self.stats.clear()
+        self.stats.update(fallback_layers=0, tau_mean=[])
+
+    def _levels(self, kinds: torch.Tensor, n: int):
+        """(is_anchor, cap) from the finest chunking to the coarsest (the hierarchical fallback)."""
+        none = torch.zeros_like(kinds, dtype=torch.bool)
+        if self.chunking == "none":
+            yield none, max(n, 1)
+            return
+        if self.chunking == "delimiter":
+            yield kinds > 0, self.chunk_cap
+            yield kinds == STRONG_ANCHOR, self.chunk_cap
+        cap = self.chunk_cap
+        while True:
+            yield none, cap
+            if cap >= n:
+                return
+            cap *= 2
+
+    def compress(self, keys, values, log_n, ctx):
+        b, h, s, d = keys.shape
+        lo, hi = min(ctx.sinks, s), max(min(ctx.sinks, s), s - ctx.window)
+        n = hi - lo
+        allow = ctx.target - lo - (s - hi)
+        if self.chunking == "delimiter":
+            if ctx.token_ids is None:
+                raise ValueError("SemantiCache needs the token ids of the context (compress at prefill)")
+            kinds = self._table.to(keys.device)[ctx.token_ids[:, lo:hi]]
+        else:
+            kinds = torch.zeros(b, n, dtype=torch.int8, device=keys.device)
+        for level, (is_anchor, cap) in enumerate(self._levels(kinds, n)):
+            layout = chunk_layout(is_anchor, cap)
+            floor = is_anchor.sum(-1) + torch.bincount(layout[2], minlength=b)
+            if self.tau is not None or bool((floor <= allow).all()):
+                break
+        self.stats["fallback_layers"] += int(level > 0)
+        rep = self._cluster(keys[:, :, lo:hi], is_anchor, layout, allow)
+        rep_full = torch.arange(s, device=keys.device).expand(b, h, s).clone()
+        rep_full[:, :, lo:hi] = rep + lo
+        is_rep = rep_full == torch.arange(s, device=keys.device)
+        slot = is_rep.long().cumsum(-1) - 1
+        assign = slot.gather(-1, rep_full)
+        k, v, ln = merge_clusters(keys, values, log_n, assign, int(is_rep.sum(-1).max()))
+        if not self.proportional:
+            ln = torch.where(torch.isfinite(ln), torch.zeros_like(ln), ln)
+        return k, v, ln
+
+    def _cluster(self, keys, is_anchor, layout, allow):
+        """Representative index `(b, h, n)` of each middle token (itself for anchors and seeds)."""
+        b, h, n, d = keys.shape
+        chunk_of, offset, row_of_chunk, longest = layout
+        rep = torch.arange(n, device=keys.device).expand(b, h, n).clone()
+        if longest == 0:
+            return rep
+        C = len(row_of_chunk)
+        member = chunk_of >= 0
+        slot_token = torch.zeros(C, longest, dtype=torch.long)
+        valid = torch.zeros(C, longest, dtype=torch.bool)
+        t = torch.arange(n).expand(b, n)
+        slot_token[chunk_of[member], offset[member]] = t[member]
+        valid[chunk_of[member], offset[member]] = True
+        unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+        ck = unit[row_of_chunk[:, None], :, slot_token]  # (C, L, h, d)
+        ck = ck.permute(0, 2, 1, 3)
+        if self.shared_heads:
+            ck = torch.nn.functional.normalize(ck.mean(1, keepdim=True), dim=-1)
+        sim = ck @ ck.transpose(-1, -2)  # (C, h or 1, L, L)
+        valid = valid[:, None, :].expand(C, sim.shape[1], longest)
+        fixed = is_anchor.sum(-1)[:, None]  # anchors are kept, (b, 1)
+
+        def roots(tau):  # tau (..., b, heads) → root (..., C, heads, L)
+            return greedy_seed_clustering(sim, valid, tau[..., row_of_chunk, :])
+
+        def fits(tau):  # entries(τ) within the budget, (..., b, heads)
+            is_root = (roots(tau) == torch.arange(longest)) & valid
+            per_chunk = is_root.sum(-1)
+            total = torch.zeros(*per_chunk.shape[:-2], b, per_chunk.shape[-1], dtype=torch.long)
+            return fixed + total.index_add_(-2, row_of_chunk, per_chunk) <= allow
+
+        heads = sim.shape[1]
+        if self.tau is not None:
+            tau = torch.full((b, heads), float(self.tau))
+        else:  # largest feasible τ, by a parallel grid search refined `search_rounds` times
+            lo_t, hi_t = torch.full((b, heads), -1.01), torch.full((b, heads), 1.0 + 1e-6)
+            ok_hi = fits(hi_t)
+            steps = torch.arange(1, self.search_width + 1)[:, None, None] / (self.search_width + 1)
+            for _ in range(self.search_rounds):
+                cands = lo_t + (hi_t - lo_t) * steps  # (K, b, heads), increasing
+                best = (fits(cands).long() * torch.arange(1, self.search_width + 1)[:, None, None]).amax(0)
+                pick = lambda i: cands.gather(0, (i - 1).clamp(0, self.search_width - 1)[None])[0]  # noqa: E731
+                lo_t = torch.where(best > 0, pick(best), lo_t)
+                hi_t = torch.where(best < self.search_width, pick(best + 1), hi_t)
+            tau = torch.where(ok_hi, hi_t, lo_t)
+        self.stats["tau_mean"].append(round(float(tau.mean()), 4))
+        root = roots(tau).expand(C, h, longest)  # (C, h, L) offsets of seeds
+        root_token = slot_token[torch.arange(C)[:, None, None], root]  # (C, h, L)
+        rows = row_of_chunk[:, None].expand(C, longest)[valid[:, 0]]
+        toks = slot_token[valid[:, 0]]
+        rep[rows, :, toks] = root_token.permute(0, 2, 1)[valid[:, 0]]
+        return rep
