@@ -114,6 +114,10 @@ def generate_ids(model, context_ids, question_ids, method: Method | None = None,
         raise ValueError(f"{len(contexts)} contexts but {len(questions)} questions")
     if any(len(c) == 0 for c in contexts):
         raise ValueError("empty context: nothing to compress")
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    bad = [t for r in contexts + questions for t in r if not (isinstance(t, int) and 0 <= t < vocab)]
+    if bad:
+        raise ValueError(f"token id {bad[0]!r} is outside the model's vocabulary [0, {vocab})")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if protocol == "aware":

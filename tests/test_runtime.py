@@ -128,6 +128,8 @@ def test_bad_inputs_get_clear_errors(llama):
         kvmerge.generate_ids(llama, random_ids(50), [1], kvmerge.get_method("streamingllm", budget=0.25))
     with pytest.raises(ValueError, match="protocol"):
         kvmerge.generate_ids(llama, random_ids(50), [1], protocol="sideways")
+    with pytest.raises(ValueError, match="vocabulary"):
+        kvmerge.generate_ids(llama, [1, 2, 500], [1])
     with pytest.raises(TypeError, match="budget"):
         kvmerge.get_method("streamingllm", budget="half")
 
