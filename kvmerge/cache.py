@@ -26,6 +26,8 @@ class MergedLayer(DynamicLayer):
         self.capture_queries = 0  # how many of the latest queries to keep (-1: all)
         self.queries: torch.Tensor | None = None
         self.decode_hook = None  # callable(layer, query) run after attention during decoding
+        self.targets: torch.Tensor | None = None  # (batch,) entries each row was compressed to
+        self.compressed_at = 0  # `seen` when the last prefill compression ran
         self.index = 0
 
     # -- transformers Cache protocol -------------------------------------------------------

@@ -68,6 +68,8 @@ def compress_cache(cache: MergedCache, method: Method, config, token_rows=None, 
     n_layers = len(cache.layers)
 
     for layer in cache.layers:
+        layer.targets = torch.zeros(layer.keys.shape[0], dtype=torch.long)
+
         def run(keys, values, log_n, rows, layer=layer):
             n = keys.shape[2]
             ids = None
@@ -80,6 +82,7 @@ def compress_cache(cache: MergedCache, method: Method, config, token_rows=None, 
             ctx = LayerContext(layer_idx=layer.index, num_layers=n_layers, target=method.target(n, window),
                                sinks=method.sinks, window=window, scaling=head_dim ** -0.5,
                                token_ids=ids, queries=queries)
+            layer.targets[rows] = ctx.target
             if ctx.target >= n:
                 return keys, values, log_n
             return method.compress(keys, values, log_n, ctx)
@@ -87,6 +90,7 @@ def compress_cache(cache: MergedCache, method: Method, config, token_rows=None, 
         layer.map_rows(run)
         layer.queries = None
         layer.capture_queries = 0
+        layer.compressed_at = layer.seen
         layer.decode_hook = method.decode_hook()
 
 

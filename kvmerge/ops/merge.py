@@ -37,15 +37,16 @@ def merge_clusters(keys, values, log_n, assign, num_clusters: int):
     assign `(b, h, s)` in [0, num_clusters) → keys/values `(b, h, C, d)` and log_n `(b, h, C)`
     (log of summed masses; -inf and zeros for a cluster nobody joined). Mass is conserved.
     """
-    b, h, _, d = keys.shape
+    b, h = keys.shape[:2]
     n = masses(log_n)
-    idx = assign[..., None].expand(*assign.shape, d)
     count = torch.zeros(b, h, num_clusters, dtype=torch.float32, device=keys.device).scatter_add_(2, assign, n)
     denom = count.clamp_min(1.0)[..., None]
 
-    def mean(x):
-        acc = torch.zeros(b, h, num_clusters, d, dtype=torch.float32, device=x.device)
-        return (acc.scatter_add_(2, idx, x.float() * n[..., None]) / denom).to(x.dtype)
+    def mean(x):  # accumulate in float32 at least (float64 stays float64)
+        d = x.shape[-1]
+        acc = torch.zeros(b, h, num_clusters, d, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+        idx = assign[..., None].expand(*assign.shape, d)
+        return (acc.scatter_add_(2, idx, x.to(acc.dtype) * n[..., None]) / denom).to(x.dtype)
 
     return mean(keys), mean(values), count.log()
 
