@@ -23,6 +23,20 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("methods", help="list the available methods")
 
+    ev = sub.add_parser("eval", help="needle-in-a-haystack accuracy per method and budget")
+    ev.add_argument("--task", choices=["niah"], default="niah")
+    ev.add_argument("--methods", type=_csv(str), default=["full", "streamingllm", "semanticache", "centroidkv"])
+    ev.add_argument("--budgets", type=_csv(float), default=[0.5, 0.25])
+    ev.add_argument("--lengths", type=_csv(int), default=[1024, 2048])
+    ev.add_argument("--samples", type=int, default=5)
+    ev.add_argument("--protocol", choices=["agnostic", "aware"], default="agnostic")
+    ev.add_argument("--text", default=None, help="UTF-8 file to use as the haystack instead of pydoc topics")
+    ev.add_argument("--out", default="results")
+    ev.add_argument("--model", default=None)
+
+    rep = sub.add_parser("report", help="print the table of a results folder")
+    rep.add_argument("folder")
+
     args = parser.parse_args(argv)
     if args.command == "methods":
         from .methods import available_methods
@@ -32,6 +46,19 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run_demo
 
         run_demo(args.methods, args.budget, args.length, args.samples, args.model)
+    elif args.command == "eval":
+        from .eval.runner import print_table, run_niah
+        from .model import load_model
+
+        model, tok = load_model(args.model)
+        print_table(run_niah(model, tok, args.methods, args.budgets, args.lengths, args.samples, args.out,
+                             args.protocol, args.text))
+    elif args.command == "report":
+        from pathlib import Path
+
+        from .eval.runner import print_table, summarize
+
+        print_table(summarize(Path(args.folder) / "niah.jsonl"))
     return 0
 
 

@@ -186,11 +186,11 @@ def test_token_kinds():
 
 
 def _sp_tokenizer():
-    sp = SentencePieceBPETokenizer()
+    sp = SentencePieceBPETokenizer(unk_token="<unk>")
     text = ["The cat sat. The dog ran, then stopped; why? Because: it was tired!\nNew line here.",
             "alpha . beta , gamma ; delta : epsilon ? zeta ! eta"] * 20
-    sp.train_from_iterator(text, vocab_size=120, min_frequency=1, special_tokens=["<s>", "</s>"])
-    return PreTrainedTokenizerFast(tokenizer_object=sp, bos_token="<s>", eos_token="</s>")
+    sp.train_from_iterator(text, vocab_size=120, min_frequency=1, special_tokens=["<s>", "</s>", "<unk>"])
+    return PreTrainedTokenizerFast(tokenizer_object=sp, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 def test_delimiter_table_sentencepiece():
