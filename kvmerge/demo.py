@@ -20,8 +20,10 @@ def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int
     console = Console()
     console.print(f"Loading model {model_path or 'SmolLM2-135M-Instruct (bundled)'} ...")
     model, tok = load_model(model_path)
-    names = methods or ["full", "semanticache", "centroidkv"]
-    names = [n for n in names if n == "full" or n in available_methods()]
+    names = methods or ["full"] + [n for n in available_methods() if n != "full"]
+    unknown = [n for n in names if n not in available_methods()]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(available_methods())}")
     tasks = [make_sample(tok, length, depth=0.1 + 0.8 * i / max(samples - 1, 1), seed=i) for i in range(samples)]
     rows = []
     with tqdm(total=len(names) * len(tasks), desc="demo", unit="prompt") as bar:
@@ -40,8 +42,9 @@ def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int
             rows.append({"method": name, "budget": method.budget, "correct": correct, "samples": len(tasks),
                          "cache_fraction": cache / full, "seconds": seconds / len(tasks), "example": example})
     table = Table(title=f"Needle in a haystack, {length} tokens of prose, {samples} needles")
-    for col in ("method", "budget", "correct", "cache vs full", "s / prompt", "first answer"):
+    for col in ("method", "budget", "correct", "cache vs full", "s / prompt"):
         table.add_column(col)
+    table.add_column("first answer", no_wrap=True)
     for r in rows:
         table.add_row(r["method"], f"{r['budget']}", f"{r['correct']:.0f}/{r['samples']}",
                       f"{r['cache_fraction']:.1%}", f"{r['seconds']:.1f}", r["example"][:48])
