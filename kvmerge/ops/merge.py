@@ -51,16 +51,6 @@ def merge_clusters(keys, values, log_n, assign, num_clusters: int):
     return mean(keys), mean(values), count.log()
 
 
-def compact(keys, values, log_n, keep):
-    """Keep the slots where `keep` `(b, h, s)` is True, in order; ragged heads padded at the end (-inf)."""
-    counts = keep.sum(-1)
-    width = int(counts.max()) if counts.numel() else 0
-    order = (~keep).to(torch.int8).argsort(dim=-1, stable=True)[..., :width]
-    k, v, ln = take(keys, values, log_n, order)
-    valid = torch.arange(width, device=keys.device) < counts[..., None]
-    return k * valid[..., None], v * valid[..., None], ln.masked_fill(~valid, NEG_INF)
-
-
 def cat_slots(*parts):
     """Concatenate (keys, values, log_n) triples along the slot axis."""
     return tuple(torch.cat(xs, dim=2) for xs in zip(*parts))
