@@ -179,9 +179,3 @@ def bytes_per_token(config, dtype: torch.dtype) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elem
-
-
-def log_mass(counts: torch.Tensor) -> torch.Tensor:
-    """log(n) with -inf for n == 0, float32."""
-    return counts.to(LOG_N_DTYPE).log()
-
