@@ -68,7 +68,7 @@ def proportional_attention(module, query, key, value, attention_mask, dropout=0.
         if log_n is None:
             log_n = layer.full_log_n()
         out = biased_sdpa(query, key, value, log_n, scaling)
-    if layer is not None and layer.decode_hook is not None and q_len == 1:
+    if layer is not None and layer.decode_hook is not None and layer.run_hooks and q_len == 1:
         layer.decode_hook(layer, query)
     return out, None
 

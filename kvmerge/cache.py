@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .ops.merge import take
+
 LOG_N_DTYPE = torch.float32
 
 
@@ -26,6 +28,7 @@ class MergedLayer(DynamicLayer):
         self.capture_queries = 0  # how many of the latest queries to keep (-1: all)
         self.queries: torch.Tensor | None = None
         self.decode_hook = None  # callable(layer, query) run after attention during decoding
+        self.run_hooks = True  # False while feeding a prompt one token at a time
         self.targets: torch.Tensor | None = None  # (batch,) entries each row was compressed to
         self.compressed_at = 0  # `seen` when the last prefill compression ran
         self.index = 0
@@ -108,6 +111,11 @@ class MergedLayer(DynamicLayer):
         else:
             self.log_n = None
         self.keys, self.values = keys.contiguous(), values.contiguous()
+
+    def select(self, idx: torch.Tensor, empty: torch.Tensor | None = None) -> None:
+        """Keep slots `idx` `(batch, kv_heads, k)`; those flagged in `empty` become empty slots."""
+        keys, values, log_n = take(self.keys, self.values, self.full_log_n(), idx)
+        self.replace(keys, values, log_n if empty is None else log_n.masked_fill(empty, float("-inf")))
 
     def capture(self, query: torch.Tensor) -> None:
         """Keep the latest `capture_queries` post-RoPE queries `(batch, heads, n, head_dim)`."""

@@ -40,8 +40,10 @@ class Session:
     def device(self):
         return next(self.model.parameters()).device
 
-    def forward(self, rows: list[list[int]], pad_id: int = 0) -> torch.Tensor:
-        """Feed one chunk per row; returns next-token logits `(batch, vocab)` at each row's last token."""
+    def forward(self, rows: list[list[int]], pad_id: int = 0, decoding: bool = True) -> torch.Tensor:
+        """Feed one chunk per row; returns next-token logits `(batch, vocab)` at each row's last token.
+
+        Decode hooks run on one-token chunks only when `decoding` (not for a one-token question)."""
         lengths = torch.tensor([len(r) for r in rows])
         width = int(lengths.max())
         pad = torch.arange(width)[None, :] < (width - lengths)[:, None]
@@ -51,6 +53,8 @@ class Session:
         pos = self.seen[:, None] + (torch.arange(width)[None, :] - (width - lengths)[:, None]).clamp_min(0)
         log_n = torch.zeros(pad.shape).masked_fill_(pad, float("-inf")) if bool(pad.any()) else None
         self.cache.set_pending_log_n(None if log_n is None else log_n.to(self.device))
+        for layer in self.cache.layers:
+            layer.run_hooks = decoding
         out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), cache=self.cache,
                          use_cache=True, logits_to_keep=1)
         self.seen += lengths
@@ -66,7 +70,7 @@ def compress_cache(cache: MergedCache, method: Method, config, token_rows=None, 
     window = method.window if window is None else window
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     n_layers = len(cache.layers)
-
+    method.plan(cache.layers, head_dim ** -0.5)
     for layer in cache.layers:
         layer.targets = torch.zeros(layer.keys.shape[0], dtype=torch.long)
 
@@ -81,7 +85,7 @@ def compress_cache(cache: MergedCache, method: Method, config, token_rows=None, 
                 queries = q[:, :, -n:] if method.query_window < 0 else q[:, :, -min(n, q.shape[2]):]
             ctx = LayerContext(layer_idx=layer.index, num_layers=n_layers, target=method.target(n, window),
                                sinks=method.sinks, window=window, scaling=head_dim ** -0.5,
-                               token_ids=ids, queries=queries)
+                               token_ids=ids, queries=queries, rows=rows)
             layer.targets[rows] = ctx.target
             if ctx.target >= n:
                 return keys, values, log_n
@@ -150,7 +154,7 @@ def generate_ids(model, context_ids, question_ids, method: Method | None = None,
                  cache_bytes=session.cache.nbytes,
                  full_cache_bytes=per_token * len(contexts) * max(len(c) for c in contexts))
     if protocol == "agnostic":
-        logits = session.forward(questions)
+        logits = session.forward(questions, decoding=False)
 
     done = torch.zeros(len(contexts), dtype=torch.bool)
     tokens: list[list[int]] = [[] for _ in contexts]

@@ -28,6 +28,7 @@ class LayerContext:
     token_ids: torch.Tensor | None = None
     queries: torch.Tensor | None = None
     decoding: bool = False
+    rows: torch.Tensor | None = None  # which batch rows these are
 
 
 @dataclass
@@ -73,6 +74,9 @@ class Method:
 
     def setup(self, model, tokenizer) -> None:
         """Called once per generation before prefill (e.g. to build token tables)."""
+
+    def plan(self, layers, scaling: float) -> None:
+        """Called once with all `MergedLayer`s (queries captured) before any layer is compressed."""
 
     def compress(self, keys, values, log_n, ctx: LayerContext):
         """`(b, h, s, d)`, `(b, h, s, d)`, `(b, h, s)` → the same with at most `ctx.target` slots."""

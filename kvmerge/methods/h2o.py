@@ -2,7 +2,11 @@
 
 from dataclasses import dataclass
 
-from ..ops.scores import attention_probs, keep_top
+import torch
+import torch.nn.functional as F
+
+from ..ops.merge import take
+from ..ops.scores import attention_probs, evict_rows, top_slots
 from .base import Method, register
 
 
@@ -10,11 +14,54 @@ from .base import Method, register
 @dataclass
 class H2O(Method):
     """Scores: attention each entry received, summed over all prompt queries (and the group's query
-    heads); the top-scored entries are kept beside sinks and the recent window."""
+    heads); the top-scored entries are kept beside sinks and the recent window.
 
+    `decode=True` is the paper's generation setting: every decoding step adds the new query's
+    attention to the accumulated scores and evicts the lowest-scored entry of a row over budget.
+    """
+
+    decode: bool = False
     name = "h2o"
     query_window = -1
 
+    def __post_init__(self):
+        super().__post_init__()
+        self._acc: dict = {}  # layer index → accumulated scores, aligned with the layer's slots
+
+    def setup(self, model, tokenizer):
+        self._acc = {}
+
     def compress(self, keys, values, log_n, ctx):
         scores = attention_probs(ctx.queries, keys, ctx.scaling).sum(2)
-        return keep_top(keys, values, log_n, scores, ctx.target, ctx.sinks, ctx.window)
+        idx = top_slots(scores, ctx.target, ctx.sinks, ctx.window)
+        if self.decode:
+            kept = scores.gather(-1, idx)
+            for i, r in enumerate(ctx.rows.tolist()):
+                self._acc.setdefault(ctx.layer_idx, {})[r] = kept[i:i + 1]
+        return take(keys, values, log_n, idx)
+
+    def decode_hook(self):
+        if not self.decode:
+            return None
+
+        def hook(layer, query):
+            log_n = layer.full_log_n()
+            acc = self._accumulated(layer)
+            acc = F.pad(acc, (0, layer.entries - acc.shape[-1]))
+            acc = acc + attention_probs(query, layer.keys, query.shape[-1] ** -0.5, log_n)[:, :, -1]
+            idx, empty = evict_rows(log_n, acc, layer.targets, self.sinks, self.window)
+            layer.select(idx, empty)
+            self._acc[layer.index] = acc.gather(-1, idx)
+        return hook
+
+    def _accumulated(self, layer) -> torch.Tensor:
+        """Scores aligned with the layer's compressed slots: per-row prefill scores, zero-padded like
+        the cache rows (rows that were not compressed start from zero)."""
+        acc = self._acc.get(layer.index, {})
+        if isinstance(acc, torch.Tensor):
+            return acc
+        b, h = layer.keys.shape[:2]
+        width = layer.entries - (layer.seen - layer.compressed_at)
+        rows = [F.pad(acc[r], (0, width - acc[r].shape[-1])) if r in acc else
+                torch.zeros(1, h, width, device=layer.keys.device) for r in range(b)]
+        return torch.cat(rows, dim=0)

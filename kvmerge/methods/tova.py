@@ -2,44 +2,29 @@
 
 from dataclasses import dataclass
 
-import torch
-
-from ..ops.scores import keep_top
+from ..ops.scores import attention_probs, evict_rows, keep_top
 from .base import Method, register
-
-
-def _last_query_scores(query, keys, log_n, scaling):
-    """Attention of one query `(b, hq, 1, d)` over the cache, averaged over heads of a group."""
-    b, hq, _, d = query.shape
-    hkv = keys.shape[1]
-    q = query.float().reshape(b, hkv, hq // hkv, d)
-    logits = torch.einsum("bgrd,bgsd->bgrs", q, keys.float()) * scaling + log_n[:, :, None, :]
-    return logits.softmax(-1).mean(2)
 
 
 @register
 @dataclass
 class TOVA(Method):
-    """Prefill: keep the top entries under the last prompt query's attention. Decoding: whenever a row
-    exceeds its budget, evict the entry the current query attends to least (one per step)."""
+    """Prefill: keep the top entries under the last prompt query's attention (summed over the GQA
+    group). Decoding: whenever a row exceeds its budget, evict the entry the current query attends
+    to least (one per step)."""
 
     name = "tova"
     query_window = 1
 
     def compress(self, keys, values, log_n, ctx):
-        scores = _last_query_scores(ctx.queries[:, :, -1:], keys, log_n, ctx.scaling)
+        scores = attention_probs(ctx.queries[:, :, -1:], keys, ctx.scaling, log_n)[:, :, -1]
         return keep_top(keys, values, log_n, scores, ctx.target, ctx.sinks, ctx.window)
 
     def decode_hook(self):
         def hook(layer, query):
-            scaling = query.shape[-1] ** -0.5
-
-            def run(k, v, ln, rows):
-                target = int(layer.targets[rows].min())
-                if k.shape[2] <= target:
-                    return k, v, ln
-                scores = _last_query_scores(query[rows], k, ln, scaling)
-                return keep_top(k, v, ln, scores, target, self.sinks, self.window)
-
-            layer.map_rows(run)
+            if layer.entries <= int(layer.targets.min()):
+                return
+            log_n = layer.full_log_n()
+            scores = attention_probs(query, layer.keys, query.shape[-1] ** -0.5, log_n)[:, :, -1]
+            layer.select(*evict_rows(log_n, scores, layer.targets, self.sinks, self.window))
         return hook

@@ -31,6 +31,16 @@ def topk_in_order(scores: torch.Tensor, k: int) -> torch.Tensor:
     return scores.topk(k, dim=-1).indices.sort(dim=-1).values
 
 
+def weighted_mean(x, assign, weight, num_clusters: int):
+    """x `(b, h, s, d)`, assign `(b, h, s)`, weight `(b, h, s)` → weighted means `(b, h, C, d)`
+    (accumulated in float32 at least; zeros for a cluster with no weight)."""
+    b, h, _, d = x.shape
+    acc = torch.zeros(b, h, num_clusters, d, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+    total = torch.zeros(b, h, num_clusters, dtype=acc.dtype, device=x.device).scatter_add_(2, assign, weight.to(acc.dtype))
+    acc.scatter_add_(2, assign[..., None].expand(*assign.shape, d), x.to(acc.dtype) * weight[..., None].to(acc.dtype))
+    return (acc / total.clamp_min(1e-30)[..., None]).to(x.dtype)
+
+
 def merge_clusters(keys, values, log_n, assign, num_clusters: int):
     """Mass-weighted means of the slots sharing a cluster id.
 
@@ -40,15 +50,7 @@ def merge_clusters(keys, values, log_n, assign, num_clusters: int):
     b, h = keys.shape[:2]
     n = masses(log_n)
     count = torch.zeros(b, h, num_clusters, dtype=torch.float32, device=keys.device).scatter_add_(2, assign, n)
-    denom = count.clamp_min(1.0)[..., None]
-
-    def mean(x):  # accumulate in float32 at least (float64 stays float64)
-        d = x.shape[-1]
-        acc = torch.zeros(b, h, num_clusters, d, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
-        idx = assign[..., None].expand(*assign.shape, d)
-        return (acc.scatter_add_(2, idx, x.to(acc.dtype) * n[..., None]) / denom).to(x.dtype)
-
-    return mean(keys), mean(values), count.log()
+    return weighted_mean(keys, assign, n, num_clusters), weighted_mean(values, assign, n, num_clusters), count.log()
 
 
 def cat_slots(*parts):

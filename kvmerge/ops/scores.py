@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from .merge import take, topk_in_order
 
 
-def attention_probs(queries, keys, scaling: float, chunk: int = 256):
+def attention_probs(queries, keys, scaling: float, log_n=None, chunk: int = 256):
     """Softmax attention of the captured queries over all keys, causal for the last queries.
 
-    queries `(b, hq, q, d)` (the last q tokens), keys `(b, hkv, s, d)` → summed over each GQA group:
-    `(b, hkv, q, s)` float32. Computed `chunk` queries at a time.
+    queries `(b, hq, q, d)` (the last q tokens), keys `(b, hkv, s, d)`, optional log_n `(b, hkv, s)`
+    added to the logits → summed over each GQA group: `(b, hkv, q, s)` float32, `chunk` queries at a time.
     """
     b, hq, q, d = queries.shape
     hkv, s = keys.shape[1], keys.shape[2]
@@ -22,8 +22,10 @@ def attention_probs(queries, keys, scaling: float, chunk: int = 256):
     for start in range(0, q, chunk):
         qc = queries[:, :, start:start + chunk].float().reshape(b, hkv, rep, -1, d)
         logits = torch.einsum("bgrqd,bgsd->bgrqs", qc, k) * scaling
-        pos = s - q + start + torch.arange(qc.shape[3])
-        logits = logits.masked_fill(torch.arange(s)[None, :] > pos[:, None], float("-inf"))
+        if log_n is not None:
+            logits = logits + log_n[:, :, None, None, :]
+        pos = s - q + start + torch.arange(qc.shape[3], device=k.device)
+        logits = logits.masked_fill(torch.arange(s, device=k.device)[None, :] > pos[:, None], float("-inf"))
         out.append(logits.softmax(-1).sum(2))
     return torch.cat(out, dim=2)
 
@@ -37,10 +39,40 @@ def pool_scores(scores, kernel: int):
                         count_include_pad=False).reshape(b, h, s)
 
 
-def keep_top(keys, values, log_n, scores, target: int, sinks: int, window: int):
-    """Evict down to `target` entries: sinks and window always kept, the rest by highest score."""
-    s = keys.shape[2]
+def top_slots(scores, target: int, sinks: int, window: int):
+    """Indices `(b, h, target)` in order: sinks and window always, the rest by highest score."""
+    s = scores.shape[-1]
     scores = scores.float().clone()
     scores[..., :sinks] = float("inf")
     scores[..., max(s - window, 0):] = float("inf")
-    return take(keys, values, log_n, topk_in_order(scores, min(target, s)))
+    return topk_in_order(scores, min(target, s))
+
+
+def keep_top(keys, values, log_n, scores, target: int, sinks: int, window: int):
+    """Evict down to `target` entries: sinks and window always kept, the rest by highest score."""
+    return take(keys, values, log_n, top_slots(scores, target, sinks, window))
+
+
+def evict_rows(log_n, scores, targets, sinks: int, window: int):
+    """Per-row eviction on a padded cache: row b keeps at most `targets[b]` live slots (its first
+    `sinks` and last `window` live slots always, then the highest scores).
+
+    log_n `(b, h, s)` (-inf = empty slot), scores `(b, h, s)`, targets `(b,)` → (idx `(b, h, W)` in
+    order, `filler` `(b, h, W)` bool: slots kept only to give every row the same width W; the caller
+    marks them empty).
+    """
+    live = ~torch.isinf(log_n)
+    n_live = live.sum(-1, keepdim=True)
+    rank = live.long().cumsum(-1) - 1
+    protect = live & ((rank < sinks) | (rank >= n_live - window))
+    value = torch.where(protect, float("inf"), scores.float()).masked_fill(~live, float("-inf"))
+    order = value.sort(dim=-1, descending=True, stable=True).indices
+    by_value = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                                 .expand_as(order).contiguous())
+    keep_live = torch.minimum(n_live, targets.to(n_live.device)[:, None, None])
+    keep = live & (by_value < keep_live)
+    width = int(keep_live.max())
+    # fill each row to `width` with empty slots first, then the lowest-valued evicted ones
+    preference = keep.float() * 2 + (~live).float()
+    idx = preference.topk(width, dim=-1, sorted=True).indices.sort(-1).values
+    return idx, ~keep.gather(-1, idx)

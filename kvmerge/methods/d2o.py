@@ -1,0 +1,71 @@
+"""D2O (Wan et al., 2024, arXiv 2406.13035): Dynamic Discriminative Operations."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.merge import cosine_sim, gather_slots, weighted_mean
+from ..ops.scores import attention_probs, top_slots
+from .base import Method, register
+
+
+@register
+@dataclass
+class D2O(Method):
+    """Layer level: each layer's budget is proportional to its attention density (inverse variance
+    of the attention the entries receive from the last `obs_window` prompt queries), clipped to
+    [1/`max_ratio`, `max_ratio`] × budget and renormalised so the total is unchanged.
+    Token level: H2O scores (accumulated attention) pick the kept entries; each evicted token finds
+    its most similar kept entry (key cosine u) and is merged into it when u ≥ τ, with weights
+    exp(u) / (Σ exp(u) + e) and e for the kept entry itself (keys and values). τ is an exponential
+    moving average (`ema`) over layers of each layer's mean best similarity. No log-mass, as in the paper.
+    """
+
+    obs_window: int = 32
+    max_ratio: float = 2.0
+    ema: float = 0.5
+    name = "d2o"
+    query_window = -1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (0.0 <= self.ema < 1.0) or self.max_ratio < 1.0:
+            raise ValueError(f"need 0 <= ema < 1 and max_ratio >= 1, got ema={self.ema}, max_ratio={self.max_ratio}")
+        self._scale: list[float] = []
+        self._tau: float | None = None
+
+    def plan(self, layers, scaling):
+        density = []
+        for layer in layers:
+            q = layer.queries[:, :, -self.obs_window:]
+            received = attention_probs(q, layer.keys, scaling, layer.full_log_n()).sum(2)  # (b, h, s)
+            density.append(1.0 / float(received.var(-1).mean().clamp_min(1e-12)))
+        scale = torch.tensor(density) / (sum(density) / len(density))
+        for _ in range(8):  # clip, renormalise the rest
+            scale = scale.clamp(1 / self.max_ratio, self.max_ratio)
+            scale = scale / scale.mean()
+        self._scale, self._tau = scale.tolist(), None
+
+    def compress(self, keys, values, log_n, ctx):
+        n = keys.shape[2]
+        scale = self._scale[ctx.layer_idx] if self._scale else 1.0
+        target = min(max(round(ctx.target * scale), min(ctx.sinks + ctx.window, n)), n)
+        scores = attention_probs(ctx.queries, keys, ctx.scaling).sum(2)
+        idx = top_slots(scores, target, ctx.sinks, ctx.window)
+        kept = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
+        sim = cosine_sim(keys, gather_slots(keys, idx))  # (b, h, s, t)
+        best, partner = sim.max(-1)
+        evicted_best = best[~kept]
+        layer_mean = float(evicted_best.mean()) if evicted_best.numel() else 1.0
+        self._tau = layer_mean if self._tau is None else self.ema * self._tau + (1 - self.ema) * layer_mean
+        merge = ~kept & (best >= self._tau)
+        self.stats["merged_fraction"] = float(merge.sum() / max(int((~kept).sum()), 1))
+        slot = torch.arange(idx.shape[-1], device=idx.device).expand_as(idx)
+        assign = partner.scatter(-1, idx, slot)  # kept entries map to themselves
+        weight = torch.where(kept, math.e, torch.where(merge, best.exp(), 0.0))
+        t = idx.shape[-1]
+        return (weighted_mean(keys, assign, weight, t), weighted_mean(values, assign, weight, t),
+                gather_slots(log_n, idx))
