@@ -9,11 +9,12 @@ from . import attention  # noqa: F401  (registers the "kvmerge" attention with t
 from .cache import MergedCache, MergedLayer
 from .methods import LayerContext, Method, available_methods, get_method
 from .model import check_supported, load_model, prepare
-from .runtime import GenerationOutput, Session, compress_cache, generate, generate_ids, split_prompt
+from .runtime import (GenerationOutput, Session, answer_questions, compress_cache, generate, generate_ids,
+                      split_prompt)
 
 __all__ = [
     "GenerationOutput", "LayerContext", "MergedCache", "MergedLayer", "Method", "Session", "available_methods",
-    "check_supported", "compress_cache", "generate", "generate_ids", "get_method", "load_model", "prepare",
+    "answer_questions", "check_supported", "compress_cache", "generate", "generate_ids", "get_method", "load_model", "prepare",
     "split_prompt",
 ]
 __version__ = "0.1.0"

@@ -29,6 +29,7 @@ class MergedLayer(DynamicLayer):
         self.queries: torch.Tensor | None = None
         self.decode_hook = None  # callable(layer, query) run after attention during decoding
         self.run_hooks = True  # False while feeding a prompt one token at a time
+        self.slot_scores: torch.Tensor | None = None  # (batch, kv_heads, slots) a decode hook keeps in step
         self.targets: torch.Tensor | None = None  # (batch,) entries each row was compressed to
         self.compressed_at = 0  # `seen` when the last prefill compression ran
         self.index = 0

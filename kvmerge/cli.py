@@ -23,19 +23,23 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("methods", help="list the available methods")
 
-    ev = sub.add_parser("eval", help="needle-in-a-haystack accuracy per method and budget")
-    ev.add_argument("--task", choices=["niah"], default="niah")
-    ev.add_argument("--methods", type=_csv(str), default=["full", "streamingllm", "semanticache", "centroidkv"])
+    ev = sub.add_parser("eval", help="accuracy / fidelity per method and budget on a task")
+    ev.add_argument("--task", choices=["niah", "ruler", "fidelity", "code"], default="niah")
+    ev.add_argument("--methods", type=_csv(str), default=["full", "streamingllm", "snapkv", "semanticache",
+                                                           "centroidkv"])
     ev.add_argument("--budgets", type=_csv(float), default=[0.5, 0.25])
     ev.add_argument("--lengths", type=_csv(int), default=[1024, 2048])
-    ev.add_argument("--samples", type=int, default=5)
+    ev.add_argument("--samples", type=int, default=3, help="samples per length (per RULER subtask)")
+    ev.add_argument("--subtasks", type=_csv(str), default=None, help="RULER subtasks (default: all)")
+    ev.add_argument("--limit", type=int, default=None, help="run only the first N samples")
     ev.add_argument("--protocol", choices=["agnostic", "aware"], default="agnostic")
-    ev.add_argument("--text", default=None, help="UTF-8 file to use as the haystack instead of pydoc topics")
+    ev.add_argument("--text", default=None, help="UTF-8 file to use instead of the built-in prose")
     ev.add_argument("--out", default="results")
     ev.add_argument("--model", default=None)
 
-    rep = sub.add_parser("report", help="print the table of a results folder")
+    rep = sub.add_parser("report", help="tables and plots of a results folder")
     rep.add_argument("folder")
+    rep.add_argument("--no-plots", action="store_true")
 
     args = parser.parse_args(argv)
     if args.command == "methods":
@@ -47,18 +51,18 @@ def main(argv: list[str] | None = None) -> int:
 
         run_demo(args.methods, args.budget, args.length, args.samples, args.model)
     elif args.command == "eval":
-        from .eval.runner import print_table, run_niah
+        from .eval.report import report
+        from .eval.runner import run
         from .model import load_model
 
         model, tok = load_model(args.model)
-        print_table(run_niah(model, tok, args.methods, args.budgets, args.lengths, args.samples, args.out,
-                             args.protocol, args.text))
+        run(args.task, model, tok, args.methods, args.budgets, args.lengths, args.samples, args.out,
+            args.protocol, args.text, args.limit, args.subtasks)
+        print(report(args.out, plots=False))
     elif args.command == "report":
-        from pathlib import Path
+        from .eval.report import report
 
-        from .eval.runner import print_table, summarize
-
-        print_table(summarize(Path(args.folder) / "niah.jsonl"))
+        print(report(args.folder, plots=not args.no_plots))
     return 0
 
 

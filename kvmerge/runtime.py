@@ -40,8 +40,10 @@ class Session:
     def device(self):
         return next(self.model.parameters()).device
 
-    def forward(self, rows: list[list[int]], pad_id: int = 0, decoding: bool = True) -> torch.Tensor:
-        """Feed one chunk per row; returns next-token logits `(batch, vocab)` at each row's last token.
+    def forward(self, rows: list[list[int]], pad_id: int = 0, decoding: bool = True,
+                all_logits: bool = False) -> torch.Tensor:
+        """Feed one chunk per row; returns next-token logits `(batch, vocab)` at each row's last token
+        (`all_logits`: `(batch, width, vocab)` at every position, left-padded rows included).
 
         Decode hooks run on one-token chunks only when `decoding` (not for a one-token question)."""
         lengths = torch.tensor([len(r) for r in rows])
@@ -56,9 +58,19 @@ class Session:
         for layer in self.cache.layers:
             layer.run_hooks = decoding
         out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), cache=self.cache,
-                         use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=0 if all_logits else 1)
         self.seen += lengths
-        return out.logits[:, -1].float()
+        return out.logits.float() if all_logits else out.logits[:, -1].float()
+
+    def snapshot(self):
+        """The cache state (tensors are never modified in place, so references suffice)."""
+        return self.seen.clone(), [dict(vars(layer)) for layer in self.cache.layers]
+
+    def restore(self, snapshot) -> None:
+        seen, layers = snapshot
+        self.seen = seen.clone()
+        for layer, state in zip(self.cache.layers, layers):
+            vars(layer).update(state)
 
     def compress(self, method: Method, token_rows: list[list[int]] | None = None, window: int | None = None):
         """Compress every layer with `method`; padding slots are stripped per row first."""
@@ -113,6 +125,34 @@ def generate_ids(model, context_ids, question_ids, method: Method | None = None,
                  protocol: str = "agnostic", eos_token_id: int | None = None, tokenizer=None) -> GenerationOutput:
     """Greedy generation from token ids (one row, or a list of rows run as one padded batch)."""
     method = method or get_method("full")
+    contexts, questions, window = _validate(model, context_ids, question_ids, protocol, max_new_tokens, method)
+    method.setup(model, tokenizer)
+    session, logits, stats = _prefill_and_compress(model, contexts, method, window, protocol)
+    if protocol == "agnostic":
+        logits = session.forward(questions, decoding=False)
+    return _decode(session, logits, method, stats, max_new_tokens, eos_token_id)
+
+
+@torch.inference_mode()
+def answer_questions(model, context_ids: list[int], questions: list[list[int]], method: Method,
+                     max_new_tokens: int = 32, eos_token_id: int | None = None, tokenizer=None):
+    """Several questions about one context (question-agnostic): the context is prefilled and
+    compressed once, and each question decodes from that same compressed cache."""
+    outs = []
+    for q in questions:
+        _validate(model, [context_ids], [q], "agnostic", max_new_tokens, method)
+    method.setup(model, tokenizer)
+    session, _, stats = _prefill_and_compress(model, [list(context_ids)], method, method.window, "agnostic")
+    snapshot = session.snapshot()
+    for q in questions:
+        session.restore(snapshot)
+        logits = session.forward([list(q)], decoding=False)
+        outs.append(_decode(session, logits, method, dict(stats), max_new_tokens, eos_token_id))
+    return outs
+
+
+def _validate(model, context_ids, question_ids, protocol, max_new_tokens, method):
+    """Checked rows → (contexts, questions, protected window); raises a clear error on bad input."""
     if not isinstance(method, Method):
         raise TypeError(f"method must be a kvmerge Method (see kvmerge.get_method), got {type(method).__name__}")
     if protocol not in PROTOCOLS:
@@ -129,16 +169,18 @@ def generate_ids(model, context_ids, question_ids, method: Method | None = None,
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if protocol == "aware":
+        window = max([method.window] + [len(q) for q in questions])
         contexts, questions = [c + q for c, q in zip(contexts, questions)], [[] for _ in questions]
-        window = max([method.window] + [len(q) for q in _as_rows(question_ids, "question_ids")])
     else:
         window = method.window
         if any(len(q) == 0 for q in questions):
             raise ValueError("empty question: the agnostic protocol needs question tokens to decode from")
     for c in contexts:
         method.target(len(c), window)  # raises early on a budget the context cannot meet
-    method.setup(model, tokenizer)
+    return contexts, questions, window
 
+
+def _prefill_and_compress(model, contexts, method, window, protocol):
     session = Session(model, len(contexts))
     for layer in session.cache.layers:
         layer.capture_queries = method.query_window
@@ -153,11 +195,13 @@ def generate_ids(model, context_ids, question_ids, method: Method | None = None,
     stats.update(prefill_seconds=t1 - t0, compress_seconds=t2 - t1, cache_entries=session.cache.entries,
                  cache_bytes=session.cache.nbytes,
                  full_cache_bytes=per_token * len(contexts) * max(len(c) for c in contexts))
-    if protocol == "agnostic":
-        logits = session.forward(questions, decoding=False)
+    return session, logits, stats
 
-    done = torch.zeros(len(contexts), dtype=torch.bool)
-    tokens: list[list[int]] = [[] for _ in contexts]
+
+def _decode(session, logits, method, stats, max_new_tokens, eos_token_id) -> GenerationOutput:
+    t0 = time.perf_counter()
+    done = torch.zeros(logits.shape[0], dtype=torch.bool)
+    tokens: list[list[int]] = [[] for _ in range(logits.shape[0])]
     for step in range(max_new_tokens):
         nxt = logits.argmax(-1).cpu()
         for b in range(len(tokens)):
@@ -168,7 +212,7 @@ def generate_ids(model, context_ids, question_ids, method: Method | None = None,
         if bool(done.all()) or step == max_new_tokens - 1:
             break
         logits = session.forward([[int(t)] for t in nxt])
-    stats.update(decode_seconds=time.perf_counter() - t2, new_tokens=[len(t) for t in tokens],
+    stats.update(decode_seconds=time.perf_counter() - t0, new_tokens=[len(t) for t in tokens],
                  final_cache_bytes=session.cache.nbytes, **method.stats)
     return GenerationOutput(tokens=tokens, stats=stats)
 

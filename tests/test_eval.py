@@ -1,11 +1,17 @@
-"""Needle task generator, scorer and the resumable runner."""
+"""Task generators, scorers, the resumable runner and the report."""
 
 import json
+import re
 
-from kvmerge.eval.niah import make_sample, score
-from kvmerge.eval.runner import run_niah, summarize
+import pytest
+import torch
 
-from .conftest import tiny_model
+import kvmerge
+from kvmerge.eval import code, fidelity, niah, ruler
+from kvmerge.eval.report import report
+from kvmerge.eval.runner import run
+
+from .conftest import random_ids, tiny_model
 from .test_semanticache import _sp_tokenizer
 
 
@@ -19,7 +25,7 @@ class WordTokenizer:
 def test_needle_sample_length_depth_and_answer():
     tok = WordTokenizer()
     for depth in (0.1, 0.5, 0.9):
-        s = make_sample(tok, 800, depth, seed=7)
+        s = niah.make_sample(tok, 800, depth, seed=7)
         words = s.context.split()
         assert 800 <= len(words) <= 800 + 80  # whole sentences: overshoot < one sentence
         needle_at = s.context.index("The special magic number")
@@ -27,20 +33,92 @@ def test_needle_sample_length_depth_and_answer():
         assert s.answer in s.context and s.meta["city"] in s.question
 
 
-def test_score():
-    assert score("The special magic number for Oslo is 48213.", "48213") == 1.0
-    assert score("It is 481.", "48213") == 0.0
-    assert score("482131", "48213") == 0.0
+def test_needle_score():
+    assert niah.score("The special magic number for Oslo is 48213.", "48213") == 1.0
+    assert niah.score("It is 481.", "48213") == 0.0
+    assert niah.score("482131", "48213") == 0.0
 
 
-def test_runner_resumes_without_redoing_work(tmp_path):
+@pytest.mark.parametrize("name", sorted(ruler.TASKS))
+def test_ruler_samples_hit_length_and_answers_are_in_the_context(name):
+    tok = WordTokenizer()
+    s = ruler.TASKS[name](tok, 600, seed=3)
+    n = len(s.context.split())
+    assert 600 <= n <= 600 + 150
+    assert all(a in s.context for a in s.answer) and s.answer
+    if name == "variable_tracking":  # the chain is in order: the value first, each hop after its source
+        value = re.search(r"value (\d+)", s.question).group(1)
+        hops = [s.context.index(f"VAR {s.answer[0]} = {value}.")]
+        hops += [s.context.index(f"VAR {b} = VAR {a}.") for a, b in zip(s.answer, s.answer[1:])]
+        assert hops == sorted(hops)
+    if name in ("common_words", "frequent_words"):
+        items = [w for w in s.context.split() if not w.endswith(".")]
+        counts = {w: items.count(w) for w in set(items)}
+        top = sorted(counts, key=counts.get, reverse=True)[:len(s.answer)]
+        assert set(top) == set(s.answer)
+    assert ruler.TASKS[name](tok, 600, seed=3) == s  # seeded
+
+
+def test_ruler_score_is_the_fraction_found():
+    assert ruler.score("They are 123 and 456.", ["123", "456"]) == 1.0
+    assert ruler.score("123", ["123", "456"]) == 0.5
+    assert ruler.score("nothing", ["abc"]) == 0.0
+
+
+def test_code_sample_is_a_prefix_and_the_answer_the_next_line():
+    tok = WordTokenizer()
+    s = code.make_sample(tok, 500, seed=1)
+    source = next(p for p in code.source_files(2500) if p.name == s.meta["file"]).read_text(encoding="utf-8")
+    assert source.startswith(s.context + s.question)
+    rest = source[len(s.context + s.question):]
+    assert next(ln.strip() for ln in rest.splitlines() if ln.strip()) == s.answer
+    assert 500 <= len((s.context + s.question).split()) <= 500 + 60
+    assert code.score("  " + s.answer + "\nmore", s.answer) == 1.0 and code.score("", s.answer) == 0.0
+
+
+def test_fidelity_of_the_full_cache_is_perfect_and_compression_is_not():
     tok = _sp_tokenizer()
     model = tiny_model(vocab_size=len(tok))
-    args = (model, tok, ["full", "streamingllm"], [0.5], [300], 2, tmp_path)
-    table = run_niah(*args)
+    s = fidelity.make_sample(tok, 200, seed=0, continuation=40)
+    assert len(s.context) == 200 and len(s.answer) == 40
+    ref = fidelity.continuation_logits(model, s.context, s.answer)
+    same = fidelity.compare(ref, fidelity.continuation_logits(model, s.context, s.answer, kvmerge.get_method("full")),
+                            s.answer)
+    assert same["kl"] < 1e-6 and abs(same["ppl_ratio"] - 1) < 1e-5 and same["top1"] == 1.0
+    for name in ("streamingllm", "tova"):  # one block / token by token (decode hook)
+        m = kvmerge.get_method(name, budget=0.25, window=8)
+        worse = fidelity.compare(ref, fidelity.continuation_logits(model, s.context, s.answer, m), s.answer)
+        assert worse["kl"] > 1e-4
+
+
+def test_answer_questions_compresses_once_and_equals_separate_runs():
+    model = tiny_model()
+    ctx, qs = random_ids(150, seed=4), [[3, 4], [5, 6, 7], [8]]
+    for name, extra in [("streamingllm", {}), ("centroidkv", {"interval": 4}), ("h2o", {"decode": True})]:
+        m = kvmerge.get_method(name, budget=0.3, window=8, **extra)
+        shared = kvmerge.answer_questions(model, ctx, qs, m, max_new_tokens=12)
+        alone = [kvmerge.generate_ids(model, ctx, q, m, max_new_tokens=12).tokens for q in qs]
+        assert [o.tokens for o in shared] == alone, name
+
+
+def test_runner_resumes_writes_summaries_and_reports(tmp_path):
+    tok = _sp_tokenizer()
+    model = tiny_model(vocab_size=len(tok))
+    args = ("niah", model, tok, ["full", "streamingllm"], [0.5], [300], 2, tmp_path)
+    rows = run(*args)
     lines = (tmp_path / "niah.jsonl").read_text().splitlines()
-    assert len(lines) == 4 and table[("full", 1.0, 300)][1] == 2
-    run_niah(*args)
+    assert len(lines) == 4 and {(r["method"], r["n"]) for r in rows} == {("full", 2), ("streamingllm", 2)}
+    run(*args)
     assert (tmp_path / "niah.jsonl").read_text().splitlines() == lines
-    assert all({"prediction", "correct", "cache_bytes"} <= set(json.loads(x)) for x in lines)
-    assert summarize(tmp_path / "niah.jsonl") == table
+    assert all({"prediction", "score", "cache_bytes"} <= set(json.loads(x)) for x in lines)
+    assert json.loads((tmp_path / "niah_summary.json").read_text()) == rows
+    assert (tmp_path / "niah_summary.csv").read_text().startswith("task,method,budget,length,n,score")
+    run("fidelity", model, tok, ["full", "streamingllm"], [0.5], [300], 1, tmp_path)
+    text = report(tmp_path)
+    assert "| niah | streamingllm | 0.5 |" in text and "### fidelity: kl" in text
+    assert (tmp_path / "niah_heatmaps.png").exists() and (tmp_path / "fidelity_kl_vs_budget.png").exists()
+
+
+def test_unknown_task_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown task"):
+        run("nope", None, None, ["full"], [0.5], [100], 1, tmp_path)

@@ -26,10 +26,10 @@ class H2O(Method):
 
     def __post_init__(self):
         super().__post_init__()
-        self._acc: dict = {}  # layer index → accumulated scores, aligned with the layer's slots
+        self._prefill: dict = {}  # layer index → {row: scores of its kept entries after prefill}
 
     def setup(self, model, tokenizer):
-        self._acc = {}
+        self._prefill = {}
 
     def compress(self, keys, values, log_n, ctx):
         scores = attention_probs(ctx.queries, keys, ctx.scaling).sum(2)
@@ -37,7 +37,7 @@ class H2O(Method):
         if self.decode:
             kept = scores.gather(-1, idx)
             for i, r in enumerate(ctx.rows.tolist()):
-                self._acc.setdefault(ctx.layer_idx, {})[r] = kept[i:i + 1]
+                self._prefill.setdefault(ctx.layer_idx, {})[r] = kept[i:i + 1]
         return take(keys, values, log_n, idx)
 
     def decode_hook(self):
@@ -46,20 +46,18 @@ class H2O(Method):
 
         def hook(layer, query):
             log_n = layer.full_log_n()
-            acc = self._accumulated(layer)
+            acc = layer.slot_scores if layer.slot_scores is not None else self._from_prefill(layer)
             acc = F.pad(acc, (0, layer.entries - acc.shape[-1]))
             acc = acc + attention_probs(query, layer.keys, query.shape[-1] ** -0.5, log_n)[:, :, -1]
             idx, empty = evict_rows(log_n, acc, layer.targets, self.sinks, self.window)
             layer.select(idx, empty)
-            self._acc[layer.index] = acc.gather(-1, idx)
+            layer.slot_scores = acc.gather(-1, idx)
         return hook
 
-    def _accumulated(self, layer) -> torch.Tensor:
+    def _from_prefill(self, layer) -> torch.Tensor:
         """Scores aligned with the layer's compressed slots: per-row prefill scores, zero-padded like
         the cache rows (rows that were not compressed start from zero)."""
-        acc = self._acc.get(layer.index, {})
-        if isinstance(acc, torch.Tensor):
-            return acc
+        acc = self._prefill.get(layer.index, {})
         b, h = layer.keys.shape[:2]
         width = layer.entries - (layer.seen - layer.compressed_at)
         rows = [F.pad(acc[r], (0, width - acc[r].shape[-1])) if r in acc else

@@ -1,0 +1,105 @@
+"""`kvmerge report`: method × budget tables and plots (PNG) from a results folder."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from .runner import METRICS, TASKS, _read, summarize
+
+
+def table(rows: list[dict], metric: str) -> str:
+    """Markdown table: one line per (task, method, budget), one column per length, plus the mean."""
+    lengths = sorted({r["length"] for r in rows})
+    cells = {(r["task"], r["method"], r["budget"], r["length"]): r for r in rows}
+    keys = sorted({(r["task"], r["method"], r["budget"]) for r in rows},
+                  key=lambda k: (k[0], k[1] != "full", -k[2], k[1]))
+    fmt = (lambda x: f"{x:.3f}") if metric in ("kl", "ppl_ratio") else (lambda x: f"{x:.0%}")
+    lines = [f"| task | method | budget | {' | '.join(f'{n} tok' for n in lengths)} | mean | bytes vs full |",
+             "|---|---|---|" + "---|" * (len(lengths) + 2)]
+    for task, method, budget in keys:
+        got = [cells.get((task, method, budget, n)) for n in lengths]
+        vals = [c[metric] for c in got if c]
+        frac = [c["cache_fraction"] for c in got if c and "cache_fraction" in c]
+        lines.append(f"| {task} | {method} | {budget:g} | " + " | ".join(fmt(c[metric]) if c else "–" for c in got)
+                     + f" | {fmt(sum(vals) / len(vals))} | " + (f"{sum(frac) / len(frac):.0%}" if frac else "–") + " |")
+    return "\n".join(lines)
+
+
+def report(folder, plots: bool = True) -> str:
+    folder = Path(folder)
+    texts = []
+    for task in TASKS:
+        raw = _read(folder / f"{task}.jsonl")
+        if not raw:
+            continue
+        rows = summarize(raw)
+        for metric in METRICS.get(task, ("score",)):
+            texts.append(f"### {task}: {metric}\n\n" + table(rows, metric))
+        if plots:
+            _curves(rows, task, folder)
+            if task == "niah":
+                _heatmaps(raw, folder)
+    if not texts:
+        raise FileNotFoundError(f"no results (<task>.jsonl) in {folder}")
+    return "\n\n".join(texts)
+
+
+def _curves(rows, task, folder):
+    """Metric vs budget, one line per method (mean over lengths and subtasks); full cache dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = METRICS.get(task, ("score",))[0]
+    series: dict = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        series[r["method"]][r["budget"]].append(r[metric])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, by_budget in sorted(series.items()):
+        xs = sorted(by_budget)
+        ys = [sum(by_budget[x]) / len(by_budget[x]) for x in xs]
+        if method == "full":
+            ax.axhline(ys[0], color="black", linestyle="--", label="full")
+        else:
+            ax.plot(xs, ys, marker="o", label=method)
+    ax.set_xlabel("budget (fraction of context kept)")
+    ax.set_ylabel({"kl": "KL(full ‖ method) per token", "score": "score"}.get(metric, metric))
+    ax.set_title(task)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(folder / f"{task}_{metric}_vs_budget.png", dpi=120)
+    plt.close(fig)
+
+
+def _heatmaps(raw, folder):
+    """Needle accuracy, depth × length, one panel per (method, budget)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells: dict = defaultdict(lambda: defaultdict(list))
+    for r in raw:
+        cells[(r["method"], float(r["budget"]))][(round(r["depth"], 2), r["length"])].append(r.get("score", r.get("correct")))
+    panels = sorted(cells, key=lambda k: (k[0] != "full", k[0], -k[1]))
+    depths = sorted({d for p in cells.values() for d, _ in p})
+    lengths = sorted({n for p in cells.values() for _, n in p})
+    cols = min(4, len(panels))
+    rows_n = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(3 * cols, 2.6 * rows_n), squeeze=False)
+    for ax, key in zip(axes.flat, panels):
+        grid = [[sum(cells[key][(d, n)]) / len(cells[key][(d, n)]) if cells[key][(d, n)] else float("nan")
+                 for n in lengths] for d in depths]
+        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_title(f"{key[0]} {key[1]:g}", fontsize=8)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=6)
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=6)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    fig.supxlabel("context length (tokens)")
+    fig.supylabel("needle depth")
+    fig.tight_layout()
+    fig.savefig(folder / "niah_heatmaps.png", dpi=120)
+    plt.close(fig)
