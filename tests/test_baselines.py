@@ -183,3 +183,31 @@ def test_d2o_layer_budgets_and_threshold_merging():
                                                                                 scores_ctx)
     assert k.shape[2] == 13 and torch.allclose(k[0, 0, 2], keys[0, 0, 21])
     assert torch.allclose(v[0, 0, 2], (values[0, 0, 20] + values[0, 0, 21]) / 2, atol=1e-6)
+
+
+def test_evictmerge_floor_above_one_is_its_base_and_merging_conserves_mass():
+    keys, values, queries = _case()
+    ctx = LayerContext(0, 1, target=20, sinks=4, window=8, scaling=8 ** -0.5, queries=queries)
+    log_n = torch.zeros(1, 1, 100)
+    base = kvmerge.get_method("snapkv", budget=20, sinks=4, window=8).compress(keys, values, log_n, ctx)
+    same = kvmerge.get_method("evictmerge", budget=20, sinks=4, window=8, floor=1.5).compress(keys, values, log_n, ctx)
+    assert all(torch.equal(a, b) for a, b in zip(base[:2], same[:2])) and bool((same[2] == 0).all())
+    k, v, ln = kvmerge.get_method("evictmerge", budget=20, sinks=4, window=8).compress(keys, values, log_n, ctx)
+    assert torch.allclose(ln.exp().sum(), torch.tensor(100.0)) and bool((ln[..., :4] == 0).all())  # sinks absorb nothing
+
+
+def test_evictmerge_of_duplicates_leaves_attention_unchanged():
+    """Evicted entries identical to kept ones: proportional attention over the merged cache is exact."""
+    from kvmerge.attention import biased_sdpa
+
+    g = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g)
+    keys[:, :, :10], values[:, :, :10] = keys[:, :, 20:30], values[:, :, 20:30]  # evicted 0..9 twin kept 20..29
+    m = kvmerge.get_method("evictmerge", budget=30, sinks=0, window=10, base="streamingllm", floor=0.999)
+    k, v, ln = m.compress(keys, values, torch.zeros(1, 2, 40), LayerContext(0, 1, 30, 0, 10, 8 ** -0.5))
+    assert k.shape[2] == 30 and torch.equal(ln.exp().round()[0, 0, 10:20], torch.full((10,), 2.0))
+    q = torch.randn(1, 4, 1, 8, generator=g)
+    full = torch.nn.functional.scaled_dot_product_attention(q, keys.repeat_interleave(2, 1),
+                                                            values.repeat_interleave(2, 1))
+    merged = biased_sdpa(q, k, v, ln, scaling=8 ** -0.5).transpose(1, 2)
+    assert torch.allclose(full, merged, atol=1e-5)

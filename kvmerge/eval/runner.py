@@ -49,6 +49,8 @@ def run(task, model, tok, methods, budgets, lengths, samples, out_dir, protocol=
     path = out / f"{task}.jsonl"
     done = {_key(r["method"], r["budget"], r) for r in _read(path)}
     data = build_samples(task, tok, lengths, samples, text, subtasks)[:limit]
+    for m in methods:
+        parse_method(m, budgets[0])  # unknown names and parameters fail now, not an hour in
     configs = [(m, b) for m in methods for b in ([1.0] if m == "full" else budgets)]
     (out / f"{task}_config.json").write_text(json.dumps(
         {"task": task, "methods": methods, "budgets": budgets, "lengths": lengths, "samples": samples,
@@ -71,8 +73,18 @@ def _by_context(todo):
     return list(groups.values())
 
 
-def _method(name, budget):
-    return get_method(name) if name == "full" else get_method(name, budget=budget)
+def parse_method(spec: str, budget: float):
+    """A method from a spec `name[:param=value...]`, e.g. `evictmerge:floor=0.5:base="h2o"` (values
+    are JSON; a bare word is a string)."""
+    name, *params = spec.split(":")
+    kwargs = {}
+    for p in params:
+        key, _, value = p.partition("=")
+        try:
+            kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[key] = value
+    return get_method(name, **kwargs) if name == "full" else get_method(name, budget=budget, **kwargs)
 
 
 _REFERENCE: dict = {}  # (length, seed, text) → full-cache log-probs of a fidelity sample
@@ -80,7 +92,7 @@ _REFERENCE: dict = {}  # (length, seed, text) → full-cache log-probs of a fide
 
 def _run_group(task, model, tok, group, protocol):
     s0, name, budget = group[0]
-    method = _method(name, budget)
+    method = parse_method(name, budget)
     base = {"method": name, "budget": budget}
     if task == "fidelity":
         ref_key = (s0.meta["length"], s0.meta["seed"], len(s0.answer))

@@ -31,8 +31,11 @@ class H2O(Method):
     def setup(self, model, tokenizer):
         self._prefill = {}
 
+    def scores(self, keys, log_n, ctx):
+        return attention_probs(ctx.queries, keys, ctx.scaling, log_n).sum(2)
+
     def compress(self, keys, values, log_n, ctx):
-        scores = attention_probs(ctx.queries, keys, ctx.scaling).sum(2)
+        scores = self.scores(keys, log_n, ctx)
         idx = top_slots(scores, ctx.target, ctx.sinks, ctx.window)
         if self.decode:
             kept = scores.gather(-1, idx)

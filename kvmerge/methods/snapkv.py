@@ -17,8 +17,8 @@ class SnapKV(Method):
     name = "snapkv"
     query_window = 32
 
-    def scores(self, keys, ctx):
-        probs = attention_probs(ctx.queries[:, :, -self.obs_window:], keys, ctx.scaling)
+    def scores(self, keys, log_n, ctx):
+        probs = attention_probs(ctx.queries[:, :, -self.obs_window:], keys, ctx.scaling, log_n)
         return pool_scores(probs.sum(2), self.kernel)
 
     def layer_target(self, ctx):
@@ -26,4 +26,4 @@ class SnapKV(Method):
 
     def compress(self, keys, values, log_n, ctx):
         target = self.layer_target(ctx)
-        return keep_top(keys, values, log_n, self.scores(keys, ctx), target, ctx.sinks, ctx.window)
+        return keep_top(keys, values, log_n, self.scores(keys, log_n, ctx), target, ctx.sinks, ctx.window)

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+import torch
+
 from .base import Method, register
 
 
@@ -11,6 +13,10 @@ class StreamingLLM(Method):
     """Keep the first `sinks` tokens and the most recent ones, filling the budget; evict the rest."""
 
     name = "streamingllm"
+
+    def scores(self, keys, log_n, ctx):
+        """Recency: later entries score higher (used by merge-instead-of-evict)."""
+        return torch.arange(keys.shape[2], device=keys.device, dtype=torch.float32).expand(keys.shape[:3])
 
     def compress(self, keys, values, log_n, ctx):
         s = keys.shape[2]

@@ -16,9 +16,11 @@ class TOVA(Method):
     name = "tova"
     query_window = 1
 
+    def scores(self, keys, log_n, ctx):
+        return attention_probs(ctx.queries[:, :, -1:], keys, ctx.scaling, log_n)[:, :, -1]
+
     def compress(self, keys, values, log_n, ctx):
-        scores = attention_probs(ctx.queries[:, :, -1:], keys, ctx.scaling, log_n)[:, :, -1]
-        return keep_top(keys, values, log_n, scores, ctx.target, ctx.sinks, ctx.window)
+        return keep_top(keys, values, log_n, self.scores(keys, log_n, ctx), ctx.target, ctx.sinks, ctx.window)
 
     def decode_hook(self):
         def hook(layer, query):

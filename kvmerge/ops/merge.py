@@ -63,3 +63,21 @@ def cosine_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a = torch.nn.functional.normalize(a.float(), dim=-1)
     b = torch.nn.functional.normalize(b.float(), dim=-1)
     return a @ b.transpose(-1, -2)
+
+
+def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, merge_keys: bool = True, protect: int = 0):
+    """Every slot not in `idx` `(b, h, t)` joins its most key-similar kept slot when their cosine is
+    ≥ `floor` (else it is dropped); the first `protect` kept slots absorb nothing. Kept slots become
+    degree-weighted means (keys only if `merge_keys`) with log_n = log of their summed mass."""
+    b, h, s, _ = keys.shape
+    t = idx.shape[-1]
+    kept = torch.zeros(b, h, s, dtype=torch.bool, device=keys.device).scatter_(-1, idx, True)
+    sim = cosine_sim(keys, gather_slots(keys, idx))
+    sim[..., :protect] = float("-inf")
+    best, partner = sim.max(-1)
+    join = ~kept & (best >= floor)
+    assign = partner.scatter(-1, idx, torch.arange(t, device=idx.device).expand_as(idx))
+    weight = masses(log_n) * (kept | join)
+    count = torch.zeros(b, h, t, dtype=torch.float32, device=keys.device).scatter_add_(2, assign, weight)
+    new_keys = weighted_mean(keys, assign, weight, t) if merge_keys else gather_slots(keys, idx)
+    return new_keys, weighted_mean(values, assign, weight, t), count.log()

@@ -1,0 +1,35 @@
+"""Merge instead of evict (kvmerge's own): any scoring eviction method turned into a merging one."""
+
+from dataclasses import dataclass
+
+from ..ops.merge import merge_into_kept
+from ..ops.scores import top_slots
+from .base import Method, get_method, register
+
+
+@register
+@dataclass
+class EvictMerge(Method):
+    """The `base` eviction method's scores choose the kept entries, exactly as it would; then every
+    evicted entry joins its most key-similar kept entry when their cosine is ≥ `floor` (sinks never
+    absorb), as a degree-weighted mean of values (and of keys if `merge_keys`), with log-degree in
+    the logits. Below the floor an entry is evicted. Prefill only: the base's decode policy is not used.
+    """
+
+    base: str = "snapkv"
+    floor: float = -1.0
+    merge_keys: bool = True
+    name = "evictmerge"
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._base = get_method(self.base, budget=self.budget, sinks=self.sinks, window=self.window)
+        if not hasattr(self._base, "scores"):
+            raise ValueError(f"{self.base} has no per-entry scores to merge by; use one of "
+                             "snapkv, pyramidkv, h2o, tova, streamingllm")
+        self.query_window = self._base.query_window
+
+    def compress(self, keys, values, log_n, ctx):
+        target = self._base.layer_target(ctx) if hasattr(self._base, "layer_target") else ctx.target
+        idx = top_slots(self._base.scores(keys, log_n, ctx), target, ctx.sinks, ctx.window)
+        return merge_into_kept(keys, values, log_n, idx, self.floor, self.merge_keys, protect=min(ctx.sinks, target))
