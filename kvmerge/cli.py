@@ -37,6 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--out", default="results")
     ev.add_argument("--model", default=None)
 
+    bench = sub.add_parser("bench", help="decode speed, compression cost and memory vs the full cache")
+    bench.add_argument("--methods", type=_csv(str), default=["streamingllm", "centroidkv", "semanticache"])
+    bench.add_argument("--budget", type=float, default=0.25)
+    bench.add_argument("--lengths", type=_csv(int), default=[1024, 2048, 4096, 8192])
+    bench.add_argument("--batches", type=_csv(int), default=[1, 4, 8])
+    bench.add_argument("--steps", type=int, default=32)
+    bench.add_argument("--out", default="results/bench")
+    bench.add_argument("--model", default=None)
+
     rep = sub.add_parser("report", help="tables and plots of a results folder")
     rep.add_argument("folder")
     rep.add_argument("--no-plots", action="store_true")
@@ -59,6 +68,20 @@ def main(argv: list[str] | None = None) -> int:
         run(args.task, model, tok, args.methods, args.budgets, args.lengths, args.samples, args.out,
             args.protocol, args.text, args.limit, args.subtasks)
         print(report(args.out, plots=False))
+    elif args.command == "bench":
+        from .eval.bench import bias_overhead, run_bench
+        from .model import load_model
+
+        model, tok = load_model(args.model)
+        rows = run_bench(model, args.methods, args.budget, args.lengths, args.batches, args.steps, args.out, tok)
+        cols = ["length", "batch", "method", "ms_per_step", "tokens_per_s", "speedup", "cache_vs_full",
+                "compress_vs_prefill", "peak_extra_mb", "floor_ms", "vs_floor"]
+        print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+        for r in rows:
+            print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+        o = bias_overhead(model, max(args.lengths), max(args.batches), args.steps)
+        print(f"biased attention with log_n = 0 vs stock SDPA, batch {o['batch']} x {o['length']} tokens: "
+              f"{o['biased_ms']:.1f} vs {o['stock_ms']:.1f} ms/step ({o['overhead']:+.1%})")
     elif args.command == "report":
         from .eval.report import report
 

@@ -122,3 +122,15 @@ def test_runner_resumes_writes_summaries_and_reports(tmp_path):
 def test_unknown_task_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown task"):
         run("nope", None, None, ["full"], [0.5], [100], 1, tmp_path)
+
+
+def test_bench_writes_side_by_side_rows(tmp_path):
+    from kvmerge.eval.bench import bias_overhead, run_bench
+
+    rows = run_bench(tiny_model(), ["streamingllm"], 0.25, [256], [1, 2], 2, tmp_path)
+    assert [(r["batch"], r["method"]) for r in rows] == [(1, "full"), (1, "streamingllm"), (2, "full"),
+                                                         (2, "streamingllm")]
+    assert all(r["speedup"] == 1.0 for r in rows if r["method"] == "full")
+    assert abs(rows[1]["cache_vs_full"] - 0.25) < 0.01 and rows[3]["cache_bytes"] == 2 * rows[1]["cache_bytes"]
+    assert (tmp_path / "bench.csv").exists() and (tmp_path / "bench_speedup.png").exists()
+    assert bias_overhead(tiny_model(), 128, 2, 2)["biased_ms"] > 0

@@ -1,0 +1,175 @@
+"""`kvmerge bench`: decode speed, compression cost, cache bytes and peak memory, side by side with the
+full cache in one run, against this machine's memory-bandwidth floor."""
+
+from __future__ import annotations
+
+import csv
+import json
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ..cache import bytes_per_token
+from ..runtime import Session
+from . import fidelity
+from .runner import parse_method
+
+
+def bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second of a large tensor copy (read + write counted)."""
+    a = torch.ones(mbytes * 2**20 // 4)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / best
+
+
+class PeakRSS:
+    """Peak resident memory above the level at entry, sampled every 2 ms (bytes)."""
+
+    def __enter__(self):
+        self.base = self.peak = _rss()
+        self._stop = False
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self):
+        while not self._stop:
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self._stop = True
+        self._thread.join()
+        self.extra = self.peak - self.base
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def _prefilled(model, ids, spec, budget):
+    """A batch-1 session with `ids` prefilled and compressed by `spec` (None: full cache)."""
+    method = None if spec == "full" else parse_method(spec, budget)
+    s = Session(model, 1)
+    if method is not None:
+        method.setup(model, None)
+        for layer in s.cache.layers:
+            layer.capture_queries = method.query_window
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        s.forward([ids])
+        t1 = time.perf_counter()
+        if method is not None:
+            s.compress(method, [ids])
+        t2 = time.perf_counter()
+    return s, {"prefill_s": t1 - t0, "compress_s": t2 - t1, "peak_extra_bytes": mem.extra}
+
+
+def _widen(session, batch):
+    """The batch-1 session's cache repeated to `batch` rows (the decode cost depends on sizes only)."""
+    for layer in session.cache.layers:
+        layer.batch_repeat_interleave(batch)
+        if layer.targets is not None:
+            layer.targets = layer.targets.repeat_interleave(batch)
+    session.seen = session.seen.repeat_interleave(batch)
+
+
+def decode_seconds(session, batch, steps, warmup=2) -> float:
+    token = [[7]] * batch
+    for _ in range(warmup):
+        session.forward(token)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        session.forward(token)
+    return (time.perf_counter() - t0) / steps
+
+
+@torch.inference_mode()
+def run_bench(model, methods, budget, lengths, batches, steps, out_dir, tokenizer=None) -> list[dict]:
+    """One row per (length, batch, method): decode ms/token, tokens/s, speedup vs full (same run),
+    cache bytes, compression/prefill fraction, peak memory, bandwidth floor. Contexts are prose
+    (random ids without a tokenizer)."""
+    bw = bandwidth()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_token = bytes_per_token(model.config, next(model.parameters()).dtype)
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    for n in lengths:
+        if tokenizer is not None:
+            ids = fidelity.make_sample(tokenizer, n, seed=n, continuation=0).context
+        else:
+            ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        prepared = {spec: _prefilled(model, ids, spec, budget) for spec in ["full"] + list(methods)}
+        for batch in batches:
+            full_s = None
+            for spec, (session, info) in prepared.items():
+                snap = session.snapshot()
+                _widen(session, batch)
+                cache_bytes = session.cache.nbytes
+                sec = decode_seconds(session, batch, steps)
+                session.restore(snap)
+                full_s = sec if spec == "full" else full_s
+                floor = (weights + cache_bytes) / bw
+                rows.append({"length": n, "batch": batch, "method": spec, "budget": 1.0 if spec == "full" else budget,
+                             "ms_per_step": 1e3 * sec, "tokens_per_s": batch / sec, "speedup": full_s / sec,
+                             "cache_bytes": cache_bytes, "cache_vs_full": cache_bytes / (per_token * n * batch),
+                             "compress_vs_prefill": info["compress_s"] / info["prefill_s"],
+                             "prefill_s": info["prefill_s"], "compress_s": info["compress_s"],
+                             "peak_extra_mb": info["peak_extra_bytes"] / 2**20,
+                             "floor_ms": 1e3 * floor, "vs_floor": sec / floor, "bandwidth_gbs": bw / 1e9})
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(rows, indent=1))
+    with (out / "bench.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    _plot(rows, out)
+    return rows
+
+
+def bias_overhead(model, length: int, batch: int, steps: int) -> dict:
+    """Decode ms/step with the same full cache: stock SDPA (no log_n) vs biased SDPA (log_n = 0)."""
+    with torch.inference_mode():
+        s, _ = _prefilled(model, [3 + i % 90 for i in range(length)], "full", 1.0)
+        _widen(s, batch)
+        stock = decode_seconds(s, batch, steps)
+        for layer in s.cache.layers:
+            layer.log_n = torch.zeros(layer.keys.shape[:3])
+        biased = decode_seconds(s, batch, steps)
+        again = None
+        for layer in s.cache.layers:
+            layer.log_n = None
+        again = decode_seconds(s, batch, steps)
+    return {"length": length, "batch": batch, "stock_ms": 1e3 * (stock + again) / 2, "biased_ms": 1e3 * biased,
+            "overhead": biased / ((stock + again) / 2) - 1}
+
+
+def _plot(rows, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in sorted({r["method"] for r in rows} - {"full"}):
+        for batch in sorted({r["batch"] for r in rows}):
+            pts = sorted((r["length"], r["speedup"]) for r in rows if r["method"] == method and r["batch"] == batch)
+            ax.plot(*zip(*pts), marker="o", label=f"{method} batch {batch}")
+    ax.axhline(1.0, color="black", linestyle="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode speedup vs full cache (same run)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "bench_speedup.png", dpi=120)
+    plt.close(fig)
