@@ -82,7 +82,13 @@ def compress_cache(cache: MergedCache, method: Method, config, token_rows=None, 
     window = method.window if window is None else window
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     n_layers = len(cache.layers)
-    method.plan(cache.layers, head_dim ** -0.5)
+    first = cache.layers[0]
+    dense = first.log_n is None  # no padding: every row has the same tokens count
+    n = first.keys.shape[2]
+    method.plan(cache.layers, LayerContext(
+        layer_idx=-1, num_layers=n_layers, target=method.target(n, window), sinks=method.sinks, window=window,
+        scaling=head_dim ** -0.5, rows=torch.arange(first.keys.shape[0]), dense=dense,
+        token_ids=None if token_rows is None or not dense else torch.tensor([r[-n:] for r in token_rows])))
     for layer in cache.layers:
         layer.targets = torch.zeros(layer.keys.shape[0], dtype=torch.long)
 

@@ -212,3 +212,25 @@ def test_delimiter_table_smollm2():
     assert kinds["."] == 2 and kinds[","] == 1 and kinds[";"] == 1 and kinds[":"] == 1
     assert kinds["Hi"] == 0 and kinds[" a"] == 0 and kinds["<|im_start|>"] == 2
     assert any("\n" in k and v == 2 for k, v in kinds.items())
+
+
+@pytest.mark.parametrize("chunking", ["delimiter", "fixed"])
+def test_layers_clustered_at_once_equal_layer_by_layer(chunking):
+    """`plan` stacks all layers as heads for one GSC pass; the result must equal per-layer clustering."""
+    tok = _sp_tokenizer()
+    model = tiny_model(vocab_size=len(tok), num_hidden_layers=3)
+    ids = [i % len(tok) for i in random_ids(300, vocab=len(tok))]
+    caches = []
+    for batched in (True, False):
+        m = kvmerge.get_method("semanticache", budget=0.25, chunking=chunking)
+        if not batched:
+            m.plan = lambda layers, ctx: None
+        m.setup(model, tok)
+        s = kvmerge.Session(model, 1)
+        with torch.no_grad():
+            s.forward([ids])
+            s.compress(m, [ids])
+        caches.append([(layer.keys, layer.values, layer.log_n) for layer in s.cache.layers])
+        assert len(m.stats["tau_mean"]) == 3
+    for a, b in zip(*caches):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

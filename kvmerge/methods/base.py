@@ -29,6 +29,7 @@ class LayerContext:
     queries: torch.Tensor | None = None
     decoding: bool = False
     rows: torch.Tensor | None = None  # which batch rows these are
+    dense: bool = True  # False in `plan` when rows are padded (then per-row work belongs in `compress`)
 
 
 @dataclass
@@ -75,8 +76,9 @@ class Method:
     def setup(self, model, tokenizer) -> None:
         """Called once per generation before prefill (e.g. to build token tables)."""
 
-    def plan(self, layers, scaling: float) -> None:
-        """Called once with all `MergedLayer`s (queries captured) before any layer is compressed."""
+    def plan(self, layers, ctx: LayerContext) -> None:
+        """Called once with all `MergedLayer`s (queries captured) before any layer is compressed;
+        `ctx` describes the whole batch (layer_idx -1)."""
 
     def compress(self, keys, values, log_n, ctx: LayerContext):
         """`(b, h, s, d)`, `(b, h, s, d)`, `(b, h, s)` → the same with at most `ctx.target` slots."""

@@ -37,11 +37,11 @@ class D2O(Method):
         self._scale: list[float] = []
         self._tau: float | None = None
 
-    def plan(self, layers, scaling):
+    def plan(self, layers, ctx):
         density = []
         for layer in layers:
             q = layer.queries[:, :, -self.obs_window:]
-            received = attention_probs(q, layer.keys, scaling, layer.full_log_n()).sum(2)  # (b, h, s)
+            received = attention_probs(q, layer.keys, ctx.scaling, layer.full_log_n()).sum(2)  # (b, h, s)
             density.append(1.0 / float(received.var(-1).mean().clamp_min(1e-12)))
         scale = torch.tensor(density) / (sum(density) / len(density))
         for _ in range(8):  # clip, renormalise the rest

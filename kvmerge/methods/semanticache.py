@@ -42,6 +42,7 @@ class SemantiCache(Method):
         if self.chunk_cap < 1:
             raise ValueError(f"chunk_cap must be >= 1, got {self.chunk_cap}")
         self._table = None
+        self._planned: dict = {}  # layer index → representatives clustered in `plan`
 
     def setup(self, model, tokenizer):
         if self.chunking == "delimiter":
@@ -68,7 +69,35 @@ class SemantiCache(Method):
                 return
             cap *= 2
 
+    def plan(self, layers, ctx):
+        """Cluster every layer at once (layers stacked as heads) when the batch is dense."""
+        self._planned = {}
+        s = layers[0].keys.shape[2]
+        if (not ctx.dense or ctx.target >= s or self.shared_heads
+                or (self.chunking == "delimiter" and ctx.token_ids is None)):
+            return
+        keys = torch.cat([layer.keys for layer in layers], dim=1)
+        reps = self._representatives(keys, ctx, groups=len(layers))
+        self._planned = dict(enumerate(reps.chunk(len(layers), dim=1)))
+
     def compress(self, keys, values, log_n, ctx):
+        b, h, s, d = keys.shape
+        lo, hi = min(ctx.sinks, s), max(min(ctx.sinks, s), s - ctx.window)
+        rep = self._planned.pop(ctx.layer_idx, None)
+        if rep is None or rep.shape != (b, h, hi - lo):
+            rep = self._representatives(keys, ctx)
+        rep_full = torch.arange(s, device=keys.device).expand(b, h, s).clone()
+        rep_full[:, :, lo:hi] = rep + lo
+        is_rep = rep_full == torch.arange(s, device=keys.device)
+        slot = is_rep.long().cumsum(-1) - 1
+        assign = slot.gather(-1, rep_full)
+        k, v, ln = merge_clusters(keys, values, log_n, assign, int(is_rep.sum(-1).max()))
+        if not self.proportional:
+            ln = torch.where(torch.isfinite(ln), torch.zeros_like(ln), ln)
+        return k, v, ln
+
+    def _representatives(self, keys, ctx, groups: int = 1):
+        """Representative index `(b, h, n)` of each middle token; `groups` layers stacked in h."""
         b, h, s, d = keys.shape
         lo, hi = min(ctx.sinks, s), max(min(ctx.sinks, s), s - ctx.window)
         n = hi - lo
@@ -84,19 +113,10 @@ class SemantiCache(Method):
             floor = is_anchor.sum(-1) + torch.bincount(layout[2], minlength=b)
             if self.tau is not None or bool((floor <= allow).all()):
                 break
-        self.stats["fallback_layers"] += int(level > 0)
-        rep = self._cluster(keys[:, :, lo:hi], is_anchor, layout, allow)
-        rep_full = torch.arange(s, device=keys.device).expand(b, h, s).clone()
-        rep_full[:, :, lo:hi] = rep + lo
-        is_rep = rep_full == torch.arange(s, device=keys.device)
-        slot = is_rep.long().cumsum(-1) - 1
-        assign = slot.gather(-1, rep_full)
-        k, v, ln = merge_clusters(keys, values, log_n, assign, int(is_rep.sum(-1).max()))
-        if not self.proportional:
-            ln = torch.where(torch.isfinite(ln), torch.zeros_like(ln), ln)
-        return k, v, ln
+        self.stats["fallback_layers"] += groups * int(level > 0)
+        return self._cluster(keys[:, :, lo:hi], is_anchor, layout, allow, groups)
 
-    def _cluster(self, keys, is_anchor, layout, allow):
+    def _cluster(self, keys, is_anchor, layout, allow, groups=1):
         """Representative index `(b, h, n)` of each middle token (itself for anchors and seeds)."""
         b, h, n, d = keys.shape
         chunk_of, offset, row_of_chunk, longest = layout
@@ -142,7 +162,7 @@ class SemantiCache(Method):
                 lo_t = torch.where(best > 0, pick(best), lo_t)
                 hi_t = torch.where(best < self.search_width, pick(best + 1), hi_t)
             tau = torch.where(ok_hi, hi_t, lo_t)
-        self.stats["tau_mean"].append(round(float(tau.mean()), 4))
+        self.stats["tau_mean"] += [round(float(t), 4) for t in tau.reshape(b, groups, -1).mean((0, 2))]
         root = roots(tau).expand(C, h, longest)  # (C, h, L) offsets of seeds
         root_token = slot_token[torch.arange(C)[:, None, None], root]  # (C, h, L)
         rows = row_of_chunk[:, None].expand(C, longest)[valid[:, 0]]
