@@ -211,3 +211,15 @@ def test_evictmerge_of_duplicates_leaves_attention_unchanged():
                                                             values.repeat_interleave(2, 1))
     merged = biased_sdpa(q, k, v, ln, scaling=8 ** -0.5).transpose(1, 2)
     assert torch.allclose(full, merged, atol=1e-5)
+
+
+def test_attention_probs_equals_naive_causal_softmax():
+    from kvmerge.ops.scores import attention_probs
+
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(2, 4, 300, 8, generator=g), torch.randn(2, 2, 500, 8, generator=g)
+    log_n = torch.randn(2, 2, 500, generator=g).clamp_min(0)
+    logits = torch.einsum("bhqd,bhsd->bhqs", q, k.repeat_interleave(2, 1)) * 0.3 + log_n.repeat_interleave(2, 1)[:, :, None]
+    causal = torch.arange(500)[None, :] > (200 + torch.arange(300))[:, None]
+    naive = logits.masked_fill(causal, float("-inf")).softmax(-1).view(2, 2, 2, 300, 500).sum(2)
+    assert torch.allclose(attention_probs(q, k, 0.3, log_n, chunk=64), naive, atol=1e-6)

@@ -21,12 +21,13 @@ def attention_probs(queries, keys, scaling: float, log_n=None, chunk: int = 256)
     out = []
     for start in range(0, q, chunk):
         qc = queries[:, :, start:start + chunk].float().reshape(b, hkv, rep, -1, d)
-        logits = torch.einsum("bgrqd,bgsd->bgrqs", qc, k) * scaling
+        end = s - q + start + qc.shape[3]  # keys after the chunk's last query are masked anyway
+        logits = torch.einsum("bgrqd,bgsd->bgrqs", qc, k[:, :, :end]) * scaling
         if log_n is not None:
-            logits = logits + log_n[:, :, None, None, :]
-        pos = s - q + start + torch.arange(qc.shape[3], device=k.device)
-        logits = logits.masked_fill(torch.arange(s, device=k.device)[None, :] > pos[:, None], float("-inf"))
-        out.append(logits.softmax(-1).sum(2))
+            logits = logits + log_n[:, :, None, None, :end]
+        pos = end - qc.shape[3] + torch.arange(qc.shape[3], device=k.device)
+        logits = logits.masked_fill(torch.arange(end, device=k.device)[None, :] > pos[:, None], float("-inf"))
+        out.append(F.pad(logits.softmax(-1).sum(2), (0, s - end)))
     return torch.cat(out, dim=2)
 
 
