@@ -144,17 +144,22 @@ def test_kmeans_recovers_duplicate_groups_exactly():
     assert torch.allclose(full, merged, atol=1e-5)
 
 
-def test_cam_spreads_evicted_values_over_the_next_kept_entries():
+def test_cam_spreads_evicted_values_over_the_next_positions():
     from kvmerge.methods.cam import merge_evicted_values
 
     values = torch.arange(10, dtype=torch.float32).view(1, 1, 10, 1) + 1
     scores = torch.full((1, 1, 10), 0.5)
-    scores[..., 2] = 0.25  # half the mean score of the entries it merges into -> p = 0.5
-    idx = torch.tensor([[[0, 1, 3, 4, 5, 6, 7, 8, 9]]])  # slot 2 evicted
+    scores[..., 2] = 0.25  # half the mean score of the positions it merges into -> p = 0.5
+    idx = torch.tensor([[[0, 1, 4, 5, 6, 7, 8, 9]]])  # slots 2 and 3 evicted
+    scores[..., 3] = 0.0  # never merged (p = 0)
     out = merge_evicted_values(values, scores, idx, m=2, sample=False)
     expect = values[:, :, idx[0, 0]].clone()
-    expect[0, 0, 2:4] += 0.5 * 3.0 / 2  # into slots 3 and 4, each value/m, times p
+    p2 = 0.25 / ((0.0 + 0.5) / 2)  # mean over positions 3 and 4 -> p = 1
+    expect[0, 0, 2] += p2 * 3.0 / 2  # position 4 (kept, compact index 2) receives; position 3 is evicted
     assert torch.allclose(out, expect)
+    scores[..., 0] = 3.0  # a heavy sink enters the mean: (3 + 0 + 0.5) / 3 -> p = 0.25 / (3.5 / 3)
+    low = merge_evicted_values(values, scores, idx, m=2, sinks=1, sample=False)
+    assert torch.allclose(low[0, 0, 2] - values[0, 0, 4], torch.tensor([0.25 / (3.5 / 3) * 3.0 / 2]))
 
 
 def test_d2o_layer_budgets_and_threshold_merging():

@@ -13,9 +13,11 @@ from .base import Method, register
 @dataclass
 class CaM(Method):
     """Evict by accumulated attention (H2O scores), then merge each evicted token's value into the
-    `merge_window` kept entries that follow it: each receives value / merge_window, with probability
-    p = min(1, A_evicted / mean A of those entries) (Bernoulli, seeded; `sample=False` uses p).
-    Values only: keys and log-mass are untouched, as in the paper."""
+    `merge_window` positions that follow it (those kept receive value / merge_window) with
+    probability p = min(1, A_evicted / mean A over the sinks and those positions) (Bernoulli, seeded;
+    `sample=False` uses p). Values only: keys and log-mass are untouched, as in the paper. The paper
+    merges one token per step as it leaves the recent window (shares reaching a token evicted later
+    travel on with it); here all evicted tokens are merged at once and such second-order shares are dropped."""
 
     merge_window: int = 32
     sample: bool = True
@@ -26,29 +28,27 @@ class CaM(Method):
     def compress(self, keys, values, log_n, ctx):
         scores = attention_probs(ctx.queries, keys, ctx.scaling).sum(2)
         idx = top_slots(scores, ctx.target, ctx.sinks, ctx.window)
-        return gather_slots(keys, idx), merge_evicted_values(values, scores, idx, self.merge_window,
-                                                             self.sample, self.seed), gather_slots(log_n, idx)
+        merged = merge_evicted_values(values, scores, idx, self.merge_window, min(ctx.sinks, idx.shape[-1]),
+                                      self.sample, self.seed)
+        return gather_slots(keys, idx), merged, gather_slots(log_n, idx)
 
 
-def merge_evicted_values(values, scores, idx, m: int, sample: bool = True, seed: int = 0):
-    """values `(b, h, s, d)`, scores `(b, h, s)`, kept idx `(b, h, t)` (sorted) → kept values
-    `(b, h, t, d)` with every evicted value spread over the m kept entries after it (CaM)."""
+def merge_evicted_values(values, scores, idx, m: int, sinks: int = 0, sample: bool = True, seed: int = 0):
+    """values `(b, h, s, d)`, scores `(b, h, s)`, kept idx `(b, h, t)` (sorted, sinks first) → kept
+    values `(b, h, t, d)`: every evicted value i adds p_i · v_i / m to each kept entry among the m
+    positions after it, p_i = min(1, A_i / mean A over the sinks and those m positions) (CaM)."""
     b, h, s, d = values.shape
-    t = idx.shape[-1]
     kept = torch.zeros(b, h, s, dtype=torch.bool, device=values.device).scatter_(-1, idx, True)
-    first_after = kept.long().cumsum(-1) - kept.long()  # compact index of the next kept entry
-    targets = first_after[..., None] + torch.arange(m, device=values.device)  # (b, h, s, m)
-    valid = ~kept[..., None] & (targets < t)
-    targets = targets.clamp(max=t - 1)
-    kept_scores = scores.gather(-1, idx)
-    mean_target = (kept_scores.gather(-1, targets.flatten(2)).view(b, h, s, m) * valid).sum(-1)
-    mean_target = mean_target / valid.sum(-1).clamp_min(1)
-    p = (scores / mean_target.clamp_min(1e-30)).clamp(0, 1)
+    a = scores.float()
+    window = torch.nn.functional.pad(a, (0, m)).unfold(-1, m, 1)[..., 1:, :]  # (b, h, s, m): positions i+1..i+m
+    inside = torch.nn.functional.pad(torch.ones_like(a), (0, m)).unfold(-1, m, 1)[..., 1:, :]
+    sink_sum = a[..., :sinks].sum(-1, keepdim=True)
+    mean = (window.sum(-1) + sink_sum) / (inside.sum(-1) + sinks).clamp_min(1)
+    p = (a / mean.clamp_min(1e-30)).clamp(0, 1) * ~kept
     if sample:
         p = torch.bernoulli(p, generator=torch.Generator(device=p.device).manual_seed(seed))
-    out = gather_slots(values, idx).float()
     share = values.float() * (p / m)[..., None]
-    for o in range(m):
-        w = valid[..., o, None].to(share.dtype)
-        out.scatter_add_(2, targets[..., o, None].expand(b, h, s, d), share * w)
-    return out.to(values.dtype)
+    out = values.float().clone()
+    for o in range(1, m + 1):  # position i + o receives share i
+        out[:, :, o:] += share[:, :, :-o] if o < s else 0
+    return gather_slots(out, idx).to(values.dtype)
