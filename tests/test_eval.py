@@ -85,10 +85,11 @@ def test_fidelity_of_the_full_cache_is_perfect_and_compression_is_not():
     same = fidelity.compare(ref, fidelity.continuation_logits(model, s.context, s.answer, kvmerge.get_method("full")),
                             s.answer)
     assert same["kl"] < 1e-6 and abs(same["ppl_ratio"] - 1) < 1e-5 and same["top1"] == 1.0
-    for name in ("streamingllm", "tova"):  # one block / token by token (decode hook)
+    for name in ("streamingllm", "tova", "semanticache"):  # one block / token by token (decode hook) / tokenizer
         m = kvmerge.get_method(name, budget=0.25, window=8)
-        worse = fidelity.compare(ref, fidelity.continuation_logits(model, s.context, s.answer, m), s.answer)
-        assert worse["kl"] > 1e-4
+        worse = fidelity.compare(ref, fidelity.continuation_logits(model, s.context, s.answer, m, tok), s.answer)
+        # merging on a random model's near-uniform attention is almost exact; eviction is not
+        assert worse["kl"] > (0 if name == "semanticache" else 1e-4) and worse["top1"] <= 1.0
 
 
 def test_answer_questions_compresses_once_and_equals_separate_runs():
@@ -127,7 +128,8 @@ def test_unknown_task_is_refused(tmp_path):
 def test_bench_writes_side_by_side_rows(tmp_path):
     from kvmerge.eval.bench import bias_overhead, run_bench
 
-    rows = run_bench(tiny_model(), ["streamingllm"], 0.25, [256], [1, 2], 2, tmp_path)
+    tok = _sp_tokenizer()
+    rows = run_bench(tiny_model(vocab_size=len(tok)), ["streamingllm"], 0.25, [256], [1, 2], 2, tmp_path, tok)
     assert [(r["batch"], r["method"]) for r in rows] == [(1, "full"), (1, "streamingllm"), (2, "full"),
                                                          (2, "streamingllm")]
     assert all(r["speedup"] == 1.0 for r in rows if r["method"] == "full")

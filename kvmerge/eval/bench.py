@@ -55,12 +55,12 @@ def _rss() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def _prefilled(model, ids, spec, budget):
+def _prefilled(model, ids, spec, budget, tokenizer=None):
     """A batch-1 session with `ids` prefilled and compressed by `spec` (None: full cache)."""
     method = None if spec == "full" else parse_method(spec, budget)
     s = Session(model, 1)
     if method is not None:
-        method.setup(model, None)
+        method.setup(model, tokenizer)
         for layer in s.cache.layers:
             layer.capture_queries = method.query_window
     with PeakRSS() as mem:
@@ -108,7 +108,7 @@ def run_bench(model, methods, budget, lengths, batches, steps, out_dir, tokenize
             ids = fidelity.make_sample(tokenizer, n, seed=n, continuation=0).context
         else:
             ids = torch.randint(3, vocab, (n,), generator=g).tolist()
-        prepared = {spec: _prefilled(model, ids, spec, budget) for spec in ["full"] + list(methods)}
+        prepared = {spec: _prefilled(model, ids, spec, budget, tokenizer) for spec in ["full"] + list(methods)}
         for batch in batches:
             full_s = None
             for spec, (session, info) in prepared.items():

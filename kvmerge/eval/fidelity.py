@@ -28,7 +28,8 @@ def make_sample(tokenizer, n_tokens: int, seed: int, text: str | None = None, co
 
 
 @torch.inference_mode()
-def continuation_logits(model, context: list[int], continuation: list[int], method=None) -> torch.Tensor:
+def continuation_logits(model, context: list[int], continuation: list[int], method=None,
+                        tokenizer=None) -> torch.Tensor:
     """Log-probabilities `(M, vocab)` for each continuation token, the context compressed by `method`
     (None: full cache). With a decode hook the continuation is fed one token at a time."""
     s = Session(model, 1)
@@ -37,7 +38,7 @@ def continuation_logits(model, context: list[int], continuation: list[int], meth
             layer.capture_queries = method.query_window
     first = s.forward([context])
     if method is not None:
-        method.setup(model, None)
+        method.setup(model, tokenizer)
         s.compress(method, [context])
     rest = continuation[:-1]
     if method is not None and method.decode_hook() is not None:

@@ -99,7 +99,7 @@ def _run_group(task, model, tok, group, protocol):
         if ref_key not in _REFERENCE:
             _REFERENCE.clear()
             _REFERENCE[ref_key] = fidelity.continuation_logits(model, s0.context, s0.answer)
-        logp = fidelity.continuation_logits(model, s0.context, s0.answer, method)
+        logp = fidelity.continuation_logits(model, s0.context, s0.answer, method, tok)
         return [{**base, **s0.meta, **fidelity.compare(_REFERENCE[ref_key], logp, s0.answer)}]
     if s0.meta.get("raw"):  # plain completion, no chat template
         ctx = tok(s0.context, add_special_tokens=False)["input_ids"]
