@@ -228,3 +228,22 @@ def test_attention_probs_equals_naive_causal_softmax():
     causal = torch.arange(500)[None, :] > (200 + torch.arange(300))[:, None]
     naive = logits.masked_fill(causal, float("-inf")).softmax(-1).view(2, 2, 2, 300, 500).sum(2)
     assert torch.allclose(attention_probs(q, k, 0.3, log_n, chunk=64), naive, atol=1e-6)
+
+
+def test_calibrated_merge_reproduces_the_observed_attention_output():
+    """With attention-calibrated merging, a query from the observation window sees the same
+    attention output when evicted entries share their kept partner's key (weights are attention)."""
+    from kvmerge.attention import biased_sdpa
+    from kvmerge.ops.merge import merge_into_kept
+    from kvmerge.ops.scores import attention_probs
+
+    g = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(1, 1, 30, 8, generator=g), torch.randn(1, 1, 30, 8, generator=g)
+    keys[:, :, 20:30] = keys[:, :, 10:20] * 1.0  # evicted 20..29 share keys with kept 10..19
+    q = torch.randn(1, 1, 1, 8, generator=g)
+    idx = torch.arange(20).view(1, 1, 20)
+    probs = attention_probs(q, keys, 8 ** -0.5)[:, :, -1]
+    k, v, ln = merge_into_kept(keys, values, torch.zeros(1, 1, 30), idx, floor=0.999, attention=probs)
+    assert torch.equal(k, keys[:, :, :20])
+    full = torch.nn.functional.scaled_dot_product_attention(q, keys, values)
+    assert torch.allclose(full, biased_sdpa(q, k, v, ln, scaling=8 ** -0.5).transpose(1, 2), atol=1e-5)

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from ..ops.merge import merge_into_kept
-from ..ops.scores import top_slots
+from ..ops.scores import attention_probs, top_slots
 from .base import Method, get_method, register
 
 
@@ -14,11 +14,17 @@ class EvictMerge(Method):
     evicted entry joins its most key-similar kept entry when their cosine is ≥ `floor` (sinks never
     absorb), as a degree-weighted mean of values (and of keys if `merge_keys`), with log-degree in
     the logits. Below the floor an entry is evicted. Prefill only: the base's decode policy is not used.
+
+    `calibrate=True`: weights are the attention each entry received from the last `obs_window`
+    prompt queries instead of token counts; kept keys stay, values are attention-weighted means and
+    the logit bias is log(cluster attention / kept entry's attention).
     """
 
     base: str = "snapkv"
     floor: float = -1.0
     merge_keys: bool = True
+    calibrate: bool = False
+    obs_window: int = 32
     name = "evictmerge"
 
     def __post_init__(self):
@@ -28,8 +34,14 @@ class EvictMerge(Method):
             raise ValueError(f"{self.base} has no per-entry scores to merge by; use one of "
                              "snapkv, pyramidkv, h2o, tova, streamingllm")
         self.query_window = self._base.query_window
+        if self.calibrate:
+            self.query_window = -1 if self.query_window < 0 else max(self.query_window, self.obs_window)
 
     def compress(self, keys, values, log_n, ctx):
         target = self._base.layer_target(ctx) if hasattr(self._base, "layer_target") else ctx.target
         idx = top_slots(self._base.scores(keys, log_n, ctx), target, ctx.sinks, ctx.window)
-        return merge_into_kept(keys, values, log_n, idx, self.floor, self.merge_keys, protect=min(ctx.sinks, target))
+        attention = None
+        if self.calibrate:
+            attention = attention_probs(ctx.queries[:, :, -self.obs_window:], keys, ctx.scaling, log_n).sum(2)
+        return merge_into_kept(keys, values, log_n, idx, self.floor, self.merge_keys, protect=min(ctx.sinks, target),
+                               attention=attention)

@@ -65,10 +65,15 @@ def cosine_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b.transpose(-1, -2)
 
 
-def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, merge_keys: bool = True, protect: int = 0):
+def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, merge_keys: bool = True, protect: int = 0,
+                    attention=None):
     """Every slot not in `idx` `(b, h, t)` joins its most key-similar kept slot when their cosine is
     ≥ `floor` (else it is dropped); the first `protect` kept slots absorb nothing. Kept slots become
-    degree-weighted means (keys only if `merge_keys`) with log_n = log of their summed mass."""
+    degree-weighted means (keys only if `merge_keys`) with log_n = log of their summed mass.
+
+    With `attention` `(b, h, s)` (observed attention per slot) the merge is attention-calibrated
+    instead: keys stay, values are attention-weighted means, and log_n += log(Σ A_cluster / A_kept),
+    so a merged slot receives the attention its whole cluster received."""
     b, h, s, _ = keys.shape
     t = idx.shape[-1]
     kept = torch.zeros(b, h, s, dtype=torch.bool, device=keys.device).scatter_(-1, idx, True)
@@ -77,6 +82,11 @@ def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, merge_keys: b
     best, partner = sim.max(-1)
     join = ~kept & (best >= floor)
     assign = partner.scatter(-1, idx, torch.arange(t, device=idx.device).expand_as(idx))
+    if attention is not None:
+        weight = attention.float().clamp_min(1e-30) * (kept | join)
+        total = torch.zeros(b, h, t, dtype=torch.float32, device=keys.device).scatter_add_(2, assign, weight)
+        bias = gather_slots(log_n, idx) + (total / gather_slots(weight, idx)).log()
+        return gather_slots(keys, idx), weighted_mean(values, assign, weight, t), bias
     weight = masses(log_n) * (kept | join)
     count = torch.zeros(b, h, t, dtype=torch.float32, device=keys.device).scatter_add_(2, assign, weight)
     new_keys = weighted_mean(keys, assign, weight, t) if merge_keys else gather_slots(keys, idx)
