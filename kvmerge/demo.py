@@ -13,6 +13,9 @@ from .model import load_model
 from .runtime import generate
 
 
+DEFAULT_METHODS = ("full", "semanticache", "centroidkv", "streamingllm", "snapkv")
+
+
 def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int = 2048, samples: int = 3,
              model_path: str | None = None) -> list[dict]:
     from .eval.niah import make_sample, score
@@ -20,7 +23,7 @@ def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int
     console = Console()
     console.print(f"Loading model {model_path or 'SmolLM2-135M-Instruct (bundled)'} ...")
     model, tok = load_model(model_path)
-    names = methods or ["full"] + [n for n in available_methods() if n != "full"]
+    names = methods or list(DEFAULT_METHODS)
     unknown = [n for n in names if n not in available_methods()]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(available_methods())}")
