@@ -18,6 +18,7 @@ class EvictMerge(Method):
     `calibrate=True`: weights are the attention each entry received from the last `obs_window`
     prompt queries instead of token counts; kept keys stay, values are attention-weighted means and
     the logit bias is log(cluster attention / kept entry's attention).
+    `recent`: the recent window grows to this fraction of the layer's budget (at least `window`).
     """
 
     base: str = "snapkv"
@@ -25,6 +26,7 @@ class EvictMerge(Method):
     merge_keys: bool = True
     calibrate: bool = False
     obs_window: int = 32
+    recent: float = 0.0  # protect at least this fraction of the budget as the recent window
     name = "evictmerge"
 
     def __post_init__(self):
@@ -39,7 +41,8 @@ class EvictMerge(Method):
 
     def compress(self, keys, values, log_n, ctx):
         target = self._base.layer_target(ctx) if hasattr(self._base, "layer_target") else ctx.target
-        idx = top_slots(self._base.scores(keys, log_n, ctx), target, ctx.sinks, ctx.window)
+        window = max(ctx.window, round(self.recent * target))
+        idx = top_slots(self._base.scores(keys, log_n, ctx), target, ctx.sinks, window)
         attention = None
         if self.calibrate:
             attention = attention_probs(ctx.queries[:, :, -self.obs_window:], keys, ctx.scaling, log_n).sum(2)
