@@ -247,3 +247,13 @@ def test_calibrated_merge_reproduces_the_observed_attention_output():
     assert torch.equal(k, keys[:, :, :20])
     full = torch.nn.functional.scaled_dot_product_attention(q, keys, values)
     assert torch.allclose(full, biased_sdpa(q, k, v, ln, scaling=8 ** -0.5).transpose(1, 2), atol=1e-5)
+
+
+def test_evictmerge_exact_top_keeps_the_best_scored_entries_exact():
+    keys, values, queries = _case()
+    ctx = LayerContext(0, 1, target=20, sinks=4, window=8, scaling=8 ** -0.5, queries=queries)
+    m = kvmerge.get_method("evictmerge", budget=20, sinks=4, window=8, base="h2o", calibrate=True, exact_top=0.5)
+    k, v, ln = m.compress(keys, values, torch.zeros(1, 1, 100), ctx)
+    hot = [i for i in range(20) if any(torch.equal(k[0, 0, i], keys[0, 0, h]) for h in (20, 41, 63))]
+    assert len(hot) == 3 and all(torch.equal(v[0, 0, i], values[0, 0, h]) for i, h in zip(hot, (20, 41, 63)))
+    assert bool((ln[0, 0, hot] == 0).all()) and bool((ln > 0).any())  # hot ones exact, others absorbed

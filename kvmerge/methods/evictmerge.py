@@ -19,6 +19,7 @@ class EvictMerge(Method):
     prompt queries instead of token counts; kept keys stay, values are attention-weighted means and
     the logit bias is log(cluster attention / kept entry's attention).
     `recent`: the recent window grows to this fraction of the layer's budget (at least `window`).
+    `exact_top`: the highest-scored fraction of the kept entries stay exact (absorb nothing).
     """
 
     base: str = "snapkv"
@@ -27,6 +28,7 @@ class EvictMerge(Method):
     calibrate: bool = False
     obs_window: int = 32
     recent: float = 0.0  # protect at least this fraction of the budget as the recent window
+    exact_top: float = 0.0  # this fraction of the kept entries, the highest-scored, absorb nothing
     name = "evictmerge"
 
     def __post_init__(self):
@@ -42,9 +44,15 @@ class EvictMerge(Method):
     def compress(self, keys, values, log_n, ctx):
         target = self._base.layer_target(ctx) if hasattr(self._base, "layer_target") else ctx.target
         window = max(ctx.window, round(self.recent * target))
-        idx = top_slots(self._base.scores(keys, log_n, ctx), target, ctx.sinks, window)
+        scores = self._base.scores(keys, log_n, ctx)
+        idx = top_slots(scores, target, ctx.sinks, window)
+        protect = min(ctx.sinks, target)
+        if self.exact_top > 0:
+            kept = scores.gather(-1, idx).float()
+            kept[..., :protect] = float("inf")
+            rank = kept.argsort(-1, descending=True).argsort(-1)
+            protect = rank < protect + round(self.exact_top * (idx.shape[-1] - protect))
         attention = None
         if self.calibrate:
             attention = attention_probs(ctx.queries[:, :, -self.obs_window:], keys, ctx.scaling, log_n).sum(2)
-        return merge_into_kept(keys, values, log_n, idx, self.floor, self.merge_keys, protect=min(ctx.sinks, target),
-                               attention=attention)
+        return merge_into_kept(keys, values, log_n, idx, self.floor, self.merge_keys, protect, attention)

@@ -65,10 +65,11 @@ def cosine_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b.transpose(-1, -2)
 
 
-def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, merge_keys: bool = True, protect: int = 0,
+def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, merge_keys: bool = True, protect=0,
                     attention=None):
     """Every slot not in `idx` `(b, h, t)` joins its most key-similar kept slot when their cosine is
-    ≥ `floor` (else it is dropped); the first `protect` kept slots absorb nothing. Kept slots become
+    ≥ `floor` (else it is dropped); kept slots in `protect` (the first `protect` if an int, else a
+    `(b, h, t)` bool mask) absorb nothing. Kept slots become
     degree-weighted means (keys only if `merge_keys`) with log_n = log of their summed mass.
 
     With `attention` `(b, h, s)` (observed attention per slot) the merge is attention-calibrated
@@ -78,7 +79,10 @@ def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, merge_keys: b
     t = idx.shape[-1]
     kept = torch.zeros(b, h, s, dtype=torch.bool, device=keys.device).scatter_(-1, idx, True)
     sim = cosine_sim(keys, gather_slots(keys, idx))
-    sim[..., :protect] = float("-inf")
+    if isinstance(protect, int):
+        sim[..., :protect] = float("-inf")
+    else:
+        sim = sim.masked_fill(protect[:, :, None, :], float("-inf"))
     best, partner = sim.max(-1)
     join = ~kept & (best >= floor)
     assign = partner.scatter(-1, idx, torch.arange(t, device=idx.device).expand_as(idx))
