@@ -15,9 +15,11 @@ class EvictMerge(Method):
     absorb), as a degree-weighted mean of values (and of keys if `merge_keys`), with log-degree in
     the logits. Below the floor an entry is evicted. Prefill only: the base's decode policy is not used.
 
-    `calibrate=True`: weights are the attention each entry received from the last `obs_window`
-    prompt queries instead of token counts; kept keys stay, values are attention-weighted means and
-    the logit bias is log(cluster attention / kept entry's attention).
+    `calibrate=True` (default; measured better than count weights on fidelity, benchmarks/NOTES.md):
+    weights are the attention each entry received from the last `obs_window` prompt queries instead
+    of token counts; kept keys stay, values are attention-weighted means and the logit bias is
+    log(cluster attention / kept entry's attention), so `log_n` is a calibrated weight, not a count.
+    `calibrate=False`: count weights (degree-weighted means, log-count bias, mass conserved).
     `recent`: the recent window grows to this fraction of the layer's budget (at least `window`).
     `exact_top`: the highest-scored fraction of the kept entries stay exact (absorb nothing).
     """
@@ -25,7 +27,7 @@ class EvictMerge(Method):
     base: str = "snapkv"
     floor: float = -1.0
     merge_keys: bool = True
-    calibrate: bool = False
+    calibrate: bool = True
     obs_window: int = 32
     recent: float = 0.0  # protect at least this fraction of the budget as the recent window
     exact_top: float = 0.0  # this fraction of the kept entries, the highest-scored, absorb nothing
