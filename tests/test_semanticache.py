@@ -222,9 +222,7 @@ def test_layers_clustered_at_once_equal_layer_by_layer(chunking):
     ids = [i % len(tok) for i in random_ids(300, vocab=len(tok))]
     caches = []
     for batched in (True, False):
-        m = kvmerge.get_method("semanticache", budget=0.25, chunking=chunking)
-        if not batched:
-            m.plan = lambda layers, ctx: None
+        m = kvmerge.get_method("semanticache", budget=0.25, chunking=chunking, batch_layers=batched)
         m.setup(model, tok)
         s = kvmerge.Session(model, 1)
         with torch.no_grad():

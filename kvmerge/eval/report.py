@@ -9,20 +9,21 @@ from .runner import METRICS, TASKS, _read, summarize
 
 
 def table(rows: list[dict], metric: str) -> str:
-    """Markdown table: one line per (task, method, budget), one column per length, plus the mean."""
-    lengths = sorted({r["length"] for r in rows})
+    """Markdown table: one line per (task, method), one column per (budget, length); the full cache
+    (budget 1) is shown in every column as the reference. Counts of samples in the last column."""
+    full = {(r["task"], r["length"]): r for r in rows if r["method"] == "full"}
+    cols = sorted({(r["budget"], r["length"]) for r in rows if r["method"] != "full"}, key=lambda c: (-c[0], c[1]))
+    cols = cols or sorted({(1.0, r["length"]) for r in rows})
     cells = {(r["task"], r["method"], r["budget"], r["length"]): r for r in rows}
-    keys = sorted({(r["task"], r["method"], r["budget"]) for r in rows},
-                  key=lambda k: (k[0], k[1] != "full", -k[2], k[1]))
-    fmt = (lambda x: f"{x:.3f}") if metric in ("kl", "ppl_ratio") else (lambda x: f"{x:.0%}")
-    lines = [f"| task | method | budget | {' | '.join(f'{n} tok' for n in lengths)} | mean | bytes vs full |",
-             "|---|---|---|" + "---|" * (len(lengths) + 2)]
-    for task, method, budget in keys:
-        got = [cells.get((task, method, budget, n)) for n in lengths]
-        vals = [c[metric] for c in got if c]
-        frac = [c["cache_fraction"] for c in got if c and "cache_fraction" in c]
-        lines.append(f"| {task} | {method} | {budget:g} | " + " | ".join(fmt(c[metric]) if c else "–" for c in got)
-                     + f" | {fmt(sum(vals) / len(vals))} | " + (f"{sum(frac) / len(frac):.0%}" if frac else "–") + " |")
+    lines_of = sorted({(r["task"], r["method"]) for r in rows}, key=lambda k: (k[0], k[1] != "full", k[1]))
+    fmt = (lambda x: f"{x:.4f}") if metric in ("kl", "ppl_ratio") else (lambda x: f"{x:.0%}")
+    head = " | ".join(f"{b:.0%} · {n}" for b, n in cols)
+    lines = [f"| task | method | {head} | n |", "|---|---|" + "---|" * (len(cols) + 1)]
+    for task, method in lines_of:
+        got = [full.get((task, n)) if method == "full" else cells.get((task, method, b, n)) for b, n in cols]
+        counts = sorted({c["n"] for c in got if c})
+        lines.append(f"| {task} | {method} | " + " | ".join(fmt(c[metric]) if c else "–" for c in got)
+                     + f" | {'/'.join(map(str, counts))} |")
     return "\n".join(lines)
 
 

@@ -33,6 +33,7 @@ class SemantiCache(Method):
     proportional: bool = True
     search_rounds: int = 3
     search_width: int = 7
+    batch_layers: bool = False  # one GSC pass for all layers: measured slower here (benchmarks/NOTES.md)
     name = "semanticache"
 
     def __post_init__(self):
@@ -73,7 +74,7 @@ class SemantiCache(Method):
         """Cluster every layer at once (layers stacked as heads) when the batch is dense."""
         self._planned = {}
         s = layers[0].keys.shape[2]
-        if (not ctx.dense or ctx.target >= s or self.shared_heads
+        if (not self.batch_layers or not ctx.dense or ctx.target >= s or self.shared_heads
                 or (self.chunking == "delimiter" and ctx.token_ids is None)):
             return
         keys = torch.cat([layer.keys for layer in layers], dim=1)
