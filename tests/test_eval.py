@@ -116,7 +116,8 @@ def test_runner_resumes_writes_summaries_and_reports(tmp_path):
     assert (tmp_path / "niah_summary.csv").read_text().startswith("task,method,budget,length,n,score")
     run("fidelity", model, tok, ["full", "streamingllm"], [0.5], [300], 1, tmp_path)
     text = report(tmp_path)
-    assert "| niah | streamingllm | " in text and "50% · 300" in text and "### fidelity: kl" in text
+    assert "| niah (beyond the model: full < 50%) | streamingllm | " in text and "50% · 300" in text  # random model
+    assert "### fidelity: kl" in text
     assert (tmp_path / "niah_heatmaps.png").exists() and (tmp_path / "fidelity_kl_vs_budget.png").exists()
 
 
@@ -136,3 +137,14 @@ def test_bench_writes_side_by_side_rows(tmp_path):
     assert abs(rows[1]["cache_vs_full"] - 0.25) < 0.01 and rows[3]["cache_bytes"] == 2 * rows[1]["cache_bytes"]
     assert (tmp_path / "bench.csv").exists() and (tmp_path / "bench_speedup.png").exists()
     assert bias_overhead(tiny_model(), 128, 2, 2)["biased_ms"] > 0
+
+
+def test_report_marks_tasks_beyond_the_model():
+    from kvmerge.eval.report import table
+
+    rows = [{"task": "multikey", "method": "full", "budget": 1.0, "length": 100, "n": 2, "score": 0.25},
+            {"task": "multikey", "method": "snapkv", "budget": 0.5, "length": 100, "n": 2, "score": 0.0},
+            {"task": "single_word", "method": "full", "budget": 1.0, "length": 100, "n": 2, "score": 1.0}]
+    text = table(rows, "score")
+    assert "| multikey (beyond the model: full < 50%) | snapkv | 0% |" in text
+    assert "| single_word | full | 100% |" in text

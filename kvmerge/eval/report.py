@@ -10,7 +10,8 @@ from .runner import METRICS, TASKS, _read, summarize
 
 def table(rows: list[dict], metric: str) -> str:
     """Markdown table: one line per (task, method), one column per (budget, length); the full cache
-    (budget 1) is shown in every column as the reference. Counts of samples in the last column."""
+    (budget 1) is shown in every column as the reference. Counts of samples in the last column.
+    A task the full cache scores under 50% on is marked as beyond the model, not hidden."""
     full = {(r["task"], r["length"]): r for r in rows if r["method"] == "full"}
     cols = sorted({(r["budget"], r["length"]) for r in rows if r["method"] != "full"}, key=lambda c: (-c[0], c[1]))
     cols = cols or sorted({(1.0, r["length"]) for r in rows})
@@ -19,8 +20,11 @@ def table(rows: list[dict], metric: str) -> str:
     fmt = (lambda x: f"{x:.4f}") if metric in ("kl", "ppl_ratio") else (lambda x: f"{x:.0%}")
     head = " | ".join(f"{b:.0%} · {n}" for b, n in cols)
     lines = [f"| task | method | {head} | n |", "|---|---|" + "---|" * (len(cols) + 1)]
+    beyond = {t for (t, _n), r in full.items() if metric == "score" and r["score"] < 0.5}
     for task, method in lines_of:
         got = [full.get((task, n)) if method == "full" else cells.get((task, method, b, n)) for b, n in cols]
+        if task in beyond:
+            task = f"{task} (beyond the model: full < 50%)"
         counts = sorted({c["n"] for c in got if c})
         lines.append(f"| {task} | {method} | " + " | ".join(fmt(c[metric]) if c else "–" for c in got)
                      + f" | {'/'.join(map(str, counts))} |")
