@@ -61,14 +61,14 @@ def _curves(rows, task, folder):
     series: dict = defaultdict(lambda: defaultdict(list))
     for r in rows:
         series[r["method"]][r["budget"]].append(r[metric])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method, by_budget in sorted(series.items()):
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (method, by_budget) in enumerate(sorted(series.items())):
         xs = sorted(by_budget)
         ys = [sum(by_budget[x]) / len(by_budget[x]) for x in xs]
         if method == "full":
             ax.axhline(ys[0], color="black", linestyle="--", label="full")
         else:
-            ax.plot(xs, ys, marker="o", label=method)
+            ax.plot(xs, ys, marker="osD^v<>"[i % 7], color=plt.cm.tab20(i % 20), label=method)
     ax.set_xlabel("budget (fraction of context kept)")
     ax.set_ylabel({"kl": "KL(full ‖ method) per token", "score": "score"}.get(metric, metric))
     ax.set_title(task)
