@@ -25,6 +25,8 @@ class CentroidKV(Method):
     re-clustered back under budget. `decode_budget="fixed"`: the number of entries kept after prefill;
     `"fraction"`: `budget` × the tokens seen so far. Between re-clusterings the cache grows by at
     most `interval` entries.
+    Measured on SmolLM2-135M (benchmarks/NOTES.md): loses to eviction, fidelity KL 0.138 vs SnapKV
+    0.017 at 25%, no needle found at 50% or 25%; compression ~4–13% of prefill, linear in context.
     """
 
     chunk_size: int = 32
