@@ -196,9 +196,9 @@ def test_evictmerge_floor_above_one_is_its_base_and_merging_conserves_mass():
     log_n = torch.zeros(1, 1, 100)
     base = kvmerge.get_method("snapkv", budget=20, sinks=4, window=8).compress(keys, values, log_n, ctx)
     same = kvmerge.get_method("evictmerge", budget=20, sinks=4, window=8, floor=1.5,
-                              calibrate=False).compress(keys, values, log_n, ctx)
+                              calibrate=False, recent=0.0).compress(keys, values, log_n, ctx)
     assert all(torch.equal(a, b) for a, b in zip(base[:2], same[:2])) and bool((same[2] == 0).all())
-    k, v, ln = kvmerge.get_method("evictmerge", budget=20, sinks=4, window=8, calibrate=False).compress(
+    k, v, ln = kvmerge.get_method("evictmerge", budget=20, sinks=4, window=8, calibrate=False, recent=0.0).compress(
         keys, values, log_n, ctx)
     assert torch.allclose(ln.exp().sum(), torch.tensor(100.0)) and bool((ln[..., :4] == 0).all())  # sinks absorb nothing
 
@@ -211,7 +211,7 @@ def test_evictmerge_of_duplicates_leaves_attention_unchanged():
     keys, values = torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g)
     keys[:, :, :10], values[:, :, :10] = keys[:, :, 20:30], values[:, :, 20:30]  # evicted 0..9 twin kept 20..29
     m = kvmerge.get_method("evictmerge", budget=30, sinks=0, window=10, base="streamingllm", floor=0.999,
-                           calibrate=False)
+                           calibrate=False, recent=0.0)
     k, v, ln = m.compress(keys, values, torch.zeros(1, 2, 40), LayerContext(0, 1, 30, 0, 10, 8 ** -0.5))
     assert k.shape[2] == 30 and torch.equal(ln.exp().round()[0, 0, 10:20], torch.full((10,), 2.0))
     q = torch.randn(1, 4, 1, 8, generator=g)
@@ -255,7 +255,8 @@ def test_calibrated_merge_reproduces_the_observed_attention_output():
 def test_evictmerge_exact_top_keeps_the_best_scored_entries_exact():
     keys, values, queries = _case()
     ctx = LayerContext(0, 1, target=20, sinks=4, window=8, scaling=8 ** -0.5, queries=queries)
-    m = kvmerge.get_method("evictmerge", budget=20, sinks=4, window=8, base="h2o", calibrate=True, exact_top=0.5)
+    m = kvmerge.get_method("evictmerge", budget=20, sinks=4, window=8, base="h2o", calibrate=True, exact_top=0.5,
+                           recent=0.0)
     k, v, ln = m.compress(keys, values, torch.zeros(1, 1, 100), ctx)
     hot = [i for i in range(20) if any(torch.equal(k[0, 0, i], keys[0, 0, h]) for h in (20, 41, 63))]
     assert len(hot) == 3 and all(torch.equal(v[0, 0, i], values[0, 0, h]) for i, h in zip(hot, (20, 41, 63)))
