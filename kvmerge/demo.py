@@ -13,14 +13,14 @@ from .model import load_model
 from .runtime import generate
 
 
-DEFAULT_METHODS = ("full", "semanticache", "centroidkv", "streamingllm", "snapkv")
+DEFAULT_METHODS = ("full", "semanticache", "centroidkv", "streamingllm", "snapkv", "evictmerge")
 
 
 def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int = 2048, samples: int = 3,
              model_path: str | None = None) -> list[dict]:
     from .eval.niah import make_sample, score
 
-    console = Console()
+    console = Console(width=max(Console().width, 100))
     console.print(f"Loading model {model_path or 'SmolLM2-135M-Instruct (bundled)'} ...")
     model, tok = load_model(model_path)
     names = methods or list(DEFAULT_METHODS)
@@ -46,8 +46,8 @@ def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int
                          "cache_fraction": cache / full, "seconds": seconds / len(tasks), "example": example})
     table = Table(title=f"Needle in a haystack, {length} tokens of prose, {samples} needles")
     for col in ("method", "budget", "correct", "cache vs full", "s / prompt"):
-        table.add_column(col)
-    table.add_column("first answer", no_wrap=True)
+        table.add_column(col, no_wrap=True)
+    table.add_column("first answer", overflow="ellipsis", max_width=34)
     for r in rows:
         table.add_row(r["method"], f"{r['budget']}", f"{r['correct']:.0f}/{r['samples']}",
                       f"{r['cache_fraction']:.1%}", f"{r['seconds']:.1f}", r["example"][:48])
