@@ -146,7 +146,6 @@ def bias_overhead(model, length: int, batch: int, steps: int) -> dict:
         for layer in s.cache.layers:
             layer.log_n = torch.zeros(layer.keys.shape[:3])
         biased = decode_seconds(s, batch, steps)
-        again = None
         for layer in s.cache.layers:
             layer.log_n = None
         again = decode_seconds(s, batch, steps)

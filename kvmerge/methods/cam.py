@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.merge import gather_slots
-from ..ops.scores import attention_probs, top_slots
+from ..ops.scores import received_attention, top_slots
 from .base import Method, register
 
 
@@ -26,7 +26,7 @@ class CaM(Method):
     query_window = -1
 
     def compress(self, keys, values, log_n, ctx):
-        scores = attention_probs(ctx.queries, keys, ctx.scaling).sum(2)
+        scores = received_attention(ctx.queries, keys, ctx.scaling, log_n)
         idx = top_slots(scores, ctx.target, ctx.sinks, ctx.window)
         merged = merge_evicted_values(values, scores, idx, self.merge_window, min(ctx.sinks, idx.shape[-1]),
                                       self.sample, self.seed)
@@ -49,6 +49,6 @@ def merge_evicted_values(values, scores, idx, m: int, sinks: int = 0, sample: bo
         p = torch.bernoulli(p, generator=torch.Generator(device=p.device).manual_seed(seed))
     share = values.float() * (p / m)[..., None]
     out = values.float().clone()
-    for o in range(1, m + 1):  # position i + o receives share i
-        out[:, :, o:] += share[:, :, :-o] if o < s else 0
+    for o in range(1, min(m, s - 1) + 1):  # position i + o receives share i
+        out[:, :, o:] += share[:, :, :-o]
     return gather_slots(out, idx).to(values.dtype)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.merge import cosine_sim, gather_slots, weighted_mean
-from ..ops.scores import attention_probs, top_slots
+from ..ops.scores import received_attention, top_slots
 from .base import Method, register
 
 
@@ -41,7 +41,7 @@ class D2O(Method):
         density = []
         for layer in layers:
             q = layer.queries[:, :, -self.obs_window:]
-            received = attention_probs(q, layer.keys, ctx.scaling, layer.full_log_n()).sum(2)  # (b, h, s)
+            received = received_attention(q, layer.keys, ctx.scaling, layer.full_log_n())  # (b, h, s)
             density.append(1.0 / float(received.var(-1).mean().clamp_min(1e-12)))
         scale = torch.tensor(density) / (sum(density) / len(density))
         for _ in range(8):  # clip, renormalise the rest
@@ -53,7 +53,7 @@ class D2O(Method):
         n = keys.shape[2]
         scale = self._scale[ctx.layer_idx] if self._scale else 1.0
         target = min(max(round(ctx.target * scale), min(ctx.sinks + ctx.window, n)), n)
-        scores = attention_probs(ctx.queries, keys, ctx.scaling).sum(2)
+        scores = received_attention(ctx.queries, keys, ctx.scaling, log_n)
         idx = top_slots(scores, target, ctx.sinks, ctx.window)
         kept = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
         sim = cosine_sim(keys, gather_slots(keys, idx))  # (b, h, s, t)

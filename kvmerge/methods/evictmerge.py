@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from ..ops.merge import merge_into_kept
-from ..ops.scores import attention_probs, top_slots
+from ..ops.scores import received_attention, top_slots
 from .base import Method, get_method, register
 
 
@@ -57,5 +57,5 @@ class EvictMerge(Method):
             protect = rank < protect + round(self.exact_top * (idx.shape[-1] - protect))
         attention = None
         if self.calibrate:
-            attention = attention_probs(ctx.queries[:, :, -self.obs_window:], keys, ctx.scaling, log_n).sum(2)
+            attention = received_attention(ctx.queries[:, :, -self.obs_window:], keys, ctx.scaling, log_n)
         return merge_into_kept(keys, values, log_n, idx, self.floor, self.merge_keys, protect, attention)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.merge import take
-from ..ops.scores import attention_probs, evict_rows, top_slots
+from ..ops.scores import attention_probs, evict_rows, received_attention, top_slots
 from .base import Method, register
 
 
@@ -32,7 +32,7 @@ class H2O(Method):
         self._prefill = {}
 
     def scores(self, keys, log_n, ctx):
-        return attention_probs(ctx.queries, keys, ctx.scaling, log_n).sum(2)
+        return received_attention(ctx.queries, keys, ctx.scaling, log_n)
 
     def compress(self, keys, values, log_n, ctx):
         scores = self.scores(keys, log_n, ctx)

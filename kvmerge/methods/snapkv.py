@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from ..ops.scores import attention_probs, keep_top, pool_scores
+from ..ops.scores import keep_top, pool_scores, received_attention
 from .base import Method, register
 
 
@@ -18,8 +18,8 @@ class SnapKV(Method):
     query_window = 32
 
     def scores(self, keys, log_n, ctx):
-        probs = attention_probs(ctx.queries[:, :, -self.obs_window:], keys, ctx.scaling, log_n)
-        return pool_scores(probs.sum(2), self.kernel)
+        received = received_attention(ctx.queries[:, :, -self.obs_window:], keys, ctx.scaling, log_n)
+        return pool_scores(received, self.kernel)
 
     def layer_target(self, ctx):
         return ctx.target

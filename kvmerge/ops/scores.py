@@ -31,6 +31,11 @@ def attention_probs(queries, keys, scaling: float, log_n=None, chunk: int = 256)
     return torch.cat(out, dim=2)
 
 
+def received_attention(queries, keys, scaling: float, log_n=None):
+    """Attention each slot received, summed over the queries and each GQA group: `(b, hkv, s)`."""
+    return attention_probs(queries, keys, scaling, log_n).sum(2)
+
+
 def pool_scores(scores, kernel: int):
     """1-D average pooling along the slot axis (SnapKV's clustering of neighbours)."""
     if kernel <= 1:
