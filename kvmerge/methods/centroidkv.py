@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from ..ops.csm import PARTITIONS, csm_round, partition_a
 from ..ops.merge import cat_slots
