@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from ..ops.csm import PARTITIONS, csm_round, partition_a
 from ..ops.merge import cat_slots
 from .base import Method, register, split_protected
