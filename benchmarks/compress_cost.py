@@ -4,7 +4,6 @@
 """
 
 import argparse
-import time
 
 import torch
 
@@ -29,16 +28,11 @@ def main():
             method = kvmerge.get_method(name, budget=args.budget)
             method.setup(model, tok)
             s = kvmerge.Session(model, 1)
-            for layer in s.cache.layers:
-                layer.capture_queries = method.query_window
             with torch.inference_mode():
-                t0 = time.perf_counter()
-                s.forward([ids])
-                t1 = time.perf_counter()
-                s.compress(method, [ids])
-                t2 = time.perf_counter()
-            prefill = t1 - t0 if prefill is None else min(prefill, t1 - t0)
-            cells.append(t2 - t1)
+                s.prefill([ids], method)
+            t = s.timings
+            prefill = t["prefill_seconds"] if prefill is None else min(prefill, t["prefill_seconds"])
+            cells.append(t["compress_seconds"])
         print(f"| {n} | {prefill:.2f} | " + " | ".join(
             f"{c:.3f} ({100 * c / prefill:.0f}%, {1000 * c / n * 1000:.0f})" for c in cells) + " |")
 

@@ -105,3 +105,17 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype=torch.float3
     model.eval()
     prepare(model)
     return model, tok
+
+
+@torch.inference_mode()
+def token_surprisal(model, hidden: torch.Tensor, ids: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """−log p(token_t | tokens_<t) `(b, n)` float32 from the decoder's final hidden states `(b, n, d)`
+    and the ids `(b, n)`; position 0 (nothing to predict it from) scores 0. The LM head runs `chunk`
+    positions at a time, so the `(n, vocab)` logits are never all held at once."""
+    head = model.get_output_embeddings()
+    out = torch.zeros(ids.shape, dtype=torch.float32)
+    for start in range(0, ids.shape[1] - 1, chunk):
+        end = min(start + chunk, ids.shape[1] - 1)
+        logp = head(hidden[:, start:end]).float().log_softmax(-1)
+        out[:, start + 1:end + 1] = -logp.gather(-1, ids[:, start + 1:end + 1, None].to(logp.device))[..., 0].cpu()
+    return out

@@ -13,7 +13,7 @@ import torch
 
 from .cache import MergedCache, bytes_per_token
 from .methods import LayerContext, Method, get_method
-from .model import prepare
+from .model import prepare, token_surprisal
 
 PROTOCOLS = ("agnostic", "aware")
 
@@ -35,15 +35,18 @@ class Session:
         self.model = model
         self.cache = MergedCache(model.config.num_hidden_layers)
         self.seen = torch.zeros(batch_size, dtype=torch.long)
+        self.timings: dict = {}
 
     @property
     def device(self):
         return next(self.model.parameters()).device
 
     def forward(self, rows: list[list[int]], pad_id: int = 0, decoding: bool = True,
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, surprisal: bool = False):
         """Feed one chunk per row; returns next-token logits `(batch, vocab)` at each row's last token
         (`all_logits`: `(batch, width, vocab)` at every position, left-padded rows included).
+        `surprisal`: returns `(logits, surprisal (batch, width))`, −log p of each fed token given the
+        ones before it in this chunk (0 at a row's first token and on padding).
 
         Decode hooks run on one-token chunks only when `decoding` (not for a one-token question)."""
         lengths = torch.tensor([len(r) for r in rows])
@@ -57,10 +60,21 @@ class Session:
         self.cache.set_pending_log_n(None if log_n is None else log_n.to(self.device))
         for layer in self.cache.layers:
             layer.run_hooks = decoding
-        out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), cache=self.cache,
-                         use_cache=True, logits_to_keep=0 if all_logits else 1)
+        hidden = []
+        hook = (self.model.get_decoder().register_forward_hook(lambda _m, _a, o: hidden.append(o[0]))
+                if surprisal else None)
+        try:
+            out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), cache=self.cache,
+                             use_cache=True, logits_to_keep=0 if all_logits else 1)
+        finally:
+            if hook is not None:
+                hook.remove()
         self.seen += lengths
-        return out.logits.float() if all_logits else out.logits[:, -1].float()
+        logits = out.logits.float() if all_logits else out.logits[:, -1].float()
+        if not surprisal:
+            return logits
+        surp = token_surprisal(self.model, hidden[0], ids)
+        return logits, surp.masked_fill(pad | torch.nn.functional.pad(pad, (1, 0), value=True)[:, :-1], 0.0)
 
     def snapshot(self):
         """The cache state (tensors are never modified in place, so references suffice)."""
@@ -72,13 +86,34 @@ class Session:
         for layer, state in zip(self.cache.layers, layers):
             vars(layer).update(state)
 
-    def compress(self, method: Method, token_rows: list[list[int]] | None = None, window: int | None = None):
+    def prefill(self, rows: list[list[int]], method: Method | None = None, window: int | None = None):
+        """Feed the prompts, then compress them with `method` (None: the cache stays full); returns the
+        last-token logits `(batch, vocab)`. Seconds spent go to `self.timings`."""
+        if method is not None:
+            for layer in self.cache.layers:
+                layer.capture_queries = method.query_window
+        t0 = time.perf_counter()
+        surprisal = None
+        if method is not None and method.needs_surprisal:
+            logits, surprisal = self.forward(rows, surprisal=True)
+        else:
+            logits = self.forward(rows)
+        t1 = time.perf_counter()
+        if method is not None:
+            self.compress(method, rows, window, surprisal)
+        self.timings = {"prefill_seconds": t1 - t0, "compress_seconds": time.perf_counter() - t1}
+        return logits
+
+    def compress(self, method: Method, token_rows: list[list[int]] | None = None, window: int | None = None,
+                 surprisal: torch.Tensor | None = None):
         """Compress every layer with `method`; padding slots are stripped per row first."""
-        compress_cache(self.cache, method, self.model.config, token_rows, window)
+        compress_cache(self.cache, method, self.model.config, token_rows, window, surprisal)
 
 
-def compress_cache(cache: MergedCache, method: Method, config, token_rows=None, window=None) -> None:
-    """Run `method.compress` on each layer of `cache` (at most `method.target(n)` entries per row/head)."""
+def compress_cache(cache: MergedCache, method: Method, config, token_rows=None, window=None,
+                   surprisal=None) -> None:
+    """Run `method.compress` on each layer of `cache` (at most `method.target(n)` entries per row/head).
+    `surprisal` `(batch, width)`, left-padded like the rows, reaches methods as `ctx.surprisal`."""
     window = method.window if window is None else window
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     n_layers = len(cache.layers)
@@ -88,7 +123,8 @@ def compress_cache(cache: MergedCache, method: Method, config, token_rows=None, 
     method.plan(cache.layers, LayerContext(
         layer_idx=-1, num_layers=n_layers, target=method.target(n, window), sinks=method.sinks, window=window,
         scaling=head_dim ** -0.5, rows=torch.arange(first.keys.shape[0]), dense=dense,
-        token_ids=None if token_rows is None or not dense else torch.tensor([r[-n:] for r in token_rows])))
+        token_ids=None if token_rows is None or not dense else torch.tensor([r[-n:] for r in token_rows]),
+        surprisal=None if surprisal is None or not dense else surprisal[:, -n:]))
     for layer in cache.layers:
         layer.targets = torch.zeros(layer.keys.shape[0], dtype=torch.long)
 
@@ -103,7 +139,8 @@ def compress_cache(cache: MergedCache, method: Method, config, token_rows=None, 
                 queries = q[:, :, -n:] if method.query_window < 0 else q[:, :, -min(n, q.shape[2]):]
             ctx = LayerContext(layer_idx=layer.index, num_layers=n_layers, target=method.target(n, window),
                                sinks=method.sinks, window=window, scaling=head_dim ** -0.5,
-                               token_ids=ids, queries=queries, rows=rows)
+                               token_ids=ids, queries=queries, rows=rows,
+                               surprisal=None if surprisal is None else surprisal[rows][:, -n:].to(keys.device))
             layer.targets[rows] = ctx.target
             if ctx.target >= n:
                 return keys, values, log_n
@@ -188,17 +225,11 @@ def _validate(model, context_ids, question_ids, protocol, max_new_tokens, method
 
 def _prefill_and_compress(model, contexts, method, window, protocol):
     session = Session(model, len(contexts))
-    for layer in session.cache.layers:
-        layer.capture_queries = method.query_window
     stats = {"method": method.name, "budget": method.budget, "protocol": protocol,
              "context_tokens": [len(c) for c in contexts]}
-    t0 = time.perf_counter()
-    logits = session.forward(contexts)
-    t1 = time.perf_counter()
-    session.compress(method, contexts, window)
-    t2 = time.perf_counter()
+    logits = session.prefill(contexts, method, window)
     per_token = bytes_per_token(model.config, session.cache.layers[0].keys.dtype)
-    stats.update(prefill_seconds=t1 - t0, compress_seconds=t2 - t1, cache_entries=session.cache.entries,
+    stats.update(**session.timings, cache_entries=session.cache.entries,
                  cache_bytes=session.cache.nbytes,
                  full_cache_bytes=per_token * len(contexts) * max(len(c) for c in contexts))
     return session, logits, stats

@@ -65,3 +65,19 @@ def session_logits(model, ids, steps, method=None, split=None):
             logits = s.forward([[int(logits.argmax(-1))]])
             out.append(logits)
     return torch.cat(out), s
+
+
+class TinyTokenizer:
+    """Tokenizer stand-in for the tiny models: id 5 is ".", id 6 is ","; 0-2 are special."""
+
+    all_special_ids = [0, 1, 2]
+    PIECES = {5: ".", 6: ","}
+
+    def __len__(self):
+        return TINY["vocab_size"]
+
+    def get_vocab(self):
+        return {self.PIECES.get(i, f"w{i}"): i for i in range(len(self))}
+
+    def convert_tokens_to_string(self, tokens):
+        return " ".join(tokens)

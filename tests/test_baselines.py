@@ -7,7 +7,7 @@ import kvmerge
 from kvmerge.cache import bytes_per_token
 from kvmerge.methods.base import LayerContext
 
-from .conftest import random_ids, tiny_model
+from .conftest import TinyTokenizer, random_ids, tiny_model
 
 EXTRA = {"semanticache": {"chunking": "fixed"}}
 LAYER_ADAPTIVE = {"pyramidkv", "d2o"}  # per-layer budgets: the total, not each layer, meets the budget
@@ -70,21 +70,20 @@ def test_every_method_batch_budget_and_dtype(name, dtype):
     m = kvmerge.get_method(name, budget=0.25, window=8, **EXTRA.get(name, {}))
     ctx = [random_ids(160, seed=1), random_ids(120, seed=2)]
     qs = [[3, 4], [5]]
-    out = kvmerge.generate_ids(model, ctx, qs, m, max_new_tokens=6)
+    tok = TinyTokenizer()
+    out = kvmerge.generate_ids(model, ctx, qs, m, max_new_tokens=6, tokenizer=tok)
     slots = max(m.target(160), m.target(120))
     entries = out.stats["cache_entries"]
     assert (sum(entries) <= 2 * slots + 2) if name in LAYER_ADAPTIVE else max(entries) <= slots
     per_slot = 2 * 2 * 16 * torch.empty((), dtype=dtype).element_size() + 2 * 4  # K+V over 2 heads + log_n
     assert out.stats["cache_bytes"] <= 2 * (2 * slots + 2) * per_slot  # 2 layers, 2 rows
     if dtype == torch.float32:  # bf16 batched kernels are not bitwise equal to single-row ones
-        alone = [kvmerge.generate_ids(model, c, q, m, max_new_tokens=6).tokens[0] for c, q in zip(ctx, qs)]
+        alone = [kvmerge.generate_ids(model, c, q, m, max_new_tokens=6, tokenizer=tok).tokens[0]
+                 for c, q in zip(ctx, qs)]
         assert out.tokens == alone
     s = kvmerge.Session(model, 1)
     with torch.no_grad():
-        for layer in s.cache.layers:
-            layer.capture_queries = m.query_window
-        s.forward([ctx[0]])
-        s.compress(m, [ctx[0]])
+        s.prefill([ctx[0]], m)
         assert torch.isfinite(s.forward([[3]])).all()
 
 

@@ -61,16 +61,10 @@ def _prefilled(model, ids, spec, budget, tokenizer=None):
     s = Session(model, 1)
     if method is not None:
         method.setup(model, tokenizer)
-        for layer in s.cache.layers:
-            layer.capture_queries = method.query_window
     with PeakRSS() as mem:
-        t0 = time.perf_counter()
-        s.forward([ids])
-        t1 = time.perf_counter()
-        if method is not None:
-            s.compress(method, [ids])
-        t2 = time.perf_counter()
-    return s, {"prefill_s": t1 - t0, "compress_s": t2 - t1, "peak_extra_bytes": mem.extra}
+        s.prefill([ids], method)
+    return s, {"prefill_s": s.timings["prefill_seconds"], "compress_s": s.timings["compress_seconds"],
+               "peak_extra_bytes": mem.extra}
 
 
 def _widen(session, batch):

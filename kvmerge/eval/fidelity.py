@@ -34,12 +34,8 @@ def continuation_logits(model, context: list[int], continuation: list[int], meth
     (None: full cache). With a decode hook the continuation is fed one token at a time."""
     s = Session(model, 1)
     if method is not None:
-        for layer in s.cache.layers:
-            layer.capture_queries = method.query_window
-    first = s.forward([context])
-    if method is not None:
         method.setup(model, tokenizer)
-        s.compress(method, [context])
+    first = s.prefill([context], method)
     rest = continuation[:-1]
     if method is not None and method.decode_hook() is not None:
         steps = [s.forward([[t]]) for t in rest]

@@ -15,7 +15,8 @@ _REGISTRY: dict[str, type["Method"]] = {}
 class LayerContext:
     """What a method sees besides one layer's keys, values and log_n.
 
-    `token_ids` `(batch, slots)` are the ids of the cached plain tokens (prefill only); `queries`
+    `token_ids` `(batch, slots)` are the ids of the cached plain tokens (prefill only), `surprisal` their
+    −log p given the prefix (when the method sets `needs_surprisal`); `queries`
     `(batch, heads, n, head_dim)` are the captured post-RoPE prompt queries (the last `n`).
     """
 
@@ -30,6 +31,7 @@ class LayerContext:
     decoding: bool = False
     rows: torch.Tensor | None = None  # which batch rows these are
     dense: bool = True  # False in `plan` when rows are padded (then per-row work belongs in `compress`)
+    surprisal: torch.Tensor | None = None  # (batch, slots) −log p(token | prefix), if the method asks
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Method:
 
     name: ClassVar[str] = ""
     query_window: ClassVar[int] = 0  # prompt queries to capture at prefill (-1: all of them)
+    needs_surprisal: ClassVar[bool] = False  # prefill also computes each token's surprisal
 
     def __post_init__(self):
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):

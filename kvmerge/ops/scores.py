@@ -82,3 +82,12 @@ def evict_rows(log_n, scores, targets, sinks: int, window: int):
     preference = keep.float() * 2 + (~live).float()
     idx = preference.topk(width, dim=-1, sorted=True).indices.sort(-1).values
     return idx, ~keep.gather(-1, idx)
+
+
+def sentence_mean(values, is_end):
+    """Each position's sentence average of `values` `(b, n)`; a sentence ends at an `is_end` position
+    `(b, n)` bool, which belongs to it. Returns `(b, n)` float32."""
+    seg = F.pad(is_end.long().cumsum(-1), (1, 0))[:, :-1]  # sentence index of every position
+    total = torch.zeros(values.shape, dtype=torch.float32, device=values.device).scatter_add_(-1, seg, values.float())
+    count = torch.zeros_like(total).scatter_add_(-1, seg, torch.ones_like(total))
+    return (total / count.clamp_min(1)).gather(-1, seg)

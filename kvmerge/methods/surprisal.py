@@ -1,0 +1,34 @@
+"""Surprisal selection (kvmerge's own): keep the sentences the model found least predictable."""
+
+from dataclasses import dataclass
+
+from ..ops.gsc import STRONG_ANCHOR, delimiter_table
+from ..ops.scores import keep_top, sentence_mean
+from .base import Method, register
+
+
+@register
+@dataclass
+class Surprisal(Method):
+    """Every token scores its sentence's mean surprisal, −log p(token | prefix) from the prefill's own
+    logits; whole sentences (ended by `. ? !`, newline or a special token) are kept best-first beside
+    sinks and the recent window, the rest evicted. The same choice for every layer and head: what the
+    model could not predict is what no later computation can rebuild once dropped."""
+
+    name = "surprisal"
+    needs_surprisal = True
+
+    def setup(self, model, tokenizer):
+        if tokenizer is None:
+            raise ValueError("surprisal needs the tokenizer to find sentence ends: use kvmerge.generate, "
+                             "or pass tokenizer= to generate_ids")
+        self._table = delimiter_table(tokenizer)
+
+    def scores(self, keys, log_n, ctx):
+        if ctx.surprisal is None or ctx.token_ids is None:
+            raise ValueError("surprisal scores need the prompt's token ids and surprisal (prefill only)")
+        is_end = self._table.to(keys.device)[ctx.token_ids] == STRONG_ANCHOR
+        return sentence_mean(ctx.surprisal, is_end)[:, None].expand(keys.shape[:3])
+
+    def compress(self, keys, values, log_n, ctx):
+        return keep_top(keys, values, log_n, self.scores(keys, log_n, ctx), ctx.target, ctx.sinks, ctx.window)

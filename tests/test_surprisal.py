@@ -1,0 +1,74 @@
+"""Surprisal selection and exact picks: the plumbing, the sentence scores, what stays exact."""
+
+import torch
+
+import kvmerge
+from kvmerge.methods.base import LayerContext
+from kvmerge.ops.scores import sentence_mean
+
+from .conftest import TinyTokenizer, random_ids, tiny_model
+
+
+def test_prefill_surprisal_is_the_models_own_next_token_loss_under_padding():
+    model = tiny_model()
+    rows = [random_ids(50, seed=1), random_ids(30, seed=2)]
+    s = kvmerge.Session(model, 2)
+    with torch.no_grad():
+        _, surp = s.forward(rows, surprisal=True)
+        for b, r in enumerate(rows):
+            logp = tiny_model().forward(torch.tensor([r])).logits[0].log_softmax(-1)
+            want = torch.cat([torch.zeros(1), -logp[:-1].gather(-1, torch.tensor(r[1:])[:, None])[:, 0]])
+            assert torch.allclose(surp[b, -len(r):], want, atol=1e-4)
+    assert bool((surp[1, :20] == 0).all()) and bool((surp[1, 21:] > 0).all())  # padding and first token
+
+
+def test_sentence_mean_averages_within_sentences_ending_at_the_mark():
+    values = torch.tensor([[1.0, 3.0, 5.0, 10.0, 0.0, 2.0]])
+    is_end = torch.tensor([[False, False, True, False, False, False]])
+    assert torch.equal(sentence_mean(values, is_end), torch.tensor([[3.0, 3.0, 3.0, 4.0, 4.0, 4.0]]))
+
+
+def _surprising_sentence_case(n=60):
+    """Sentences of 5 tokens (id 5 ends each); the one at 20..24 is far less predictable."""
+    ids = torch.tensor([[5 if i % 5 == 4 else 10 + i % 7 for i in range(n)]])
+    surp = torch.ones(1, n)
+    surp[0, 20:25] = 8.0
+    surp[0, 40] = 12.0  # one surprising token in an ordinary sentence: its sentence mean is only 3.2
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g)
+    ctx = LayerContext(0, 1, target=17, sinks=2, window=10, scaling=8 ** -0.5, token_ids=ids, surprisal=surp,
+                       queries=torch.randn(1, 4, 32, 8, generator=g))
+    return keys, values, ctx
+
+
+def test_surprisal_keeps_the_least_predictable_sentence_whole():
+    keys, values, ctx = _surprising_sentence_case()
+    m = kvmerge.get_method("surprisal", budget=17, sinks=2, window=10)
+    m.setup(None, TinyTokenizer())
+    k, v, ln = m.compress(keys, values, torch.zeros(1, 2, 60), ctx)
+    assert torch.equal(k, keys[:, :, [0, 1, 20, 21, 22, 23, 24] + list(range(50, 60))])
+    assert torch.equal(v, values[:, :, [0, 1, 20, 21, 22, 23, 24] + list(range(50, 60))])
+
+
+def test_exact_share_stays_bit_exact_while_the_rest_absorbs_and_mass_is_conserved():
+    keys, values, ctx = _surprising_sentence_case()
+    m = kvmerge.get_method("evictmerge", budget=17, sinks=2, window=10, base="snapkv", recent=0.0,
+                           exact=5 / 17, calibrate=False)
+    m.setup(None, TinyTokenizer())
+    assert m.needs_surprisal
+    k, v, ln = m.compress(keys, values, torch.zeros(1, 2, 60), ctx)
+    picks = [0, 1, 20, 21, 22, 23, 24]
+    assert torch.equal(k[:, :, :7], keys[:, :, picks]) and torch.equal(v[:, :, :7], values[:, :, picks])
+    assert bool((ln[..., :7] == 0).all()) and bool((ln[..., 7:] > 0).any())
+    assert torch.allclose(ln.exp().sum(-1), torch.full((1, 2), 60.0))
+    merged = kvmerge.get_method("evictmerge", budget=17, sinks=2, window=10, base="surprisal", recent=0.0,
+                                calibrate=False)  # the same picks, not kept exact
+    merged.setup(None, TinyTokenizer())
+    assert bool((merged.compress(keys, values, torch.zeros(1, 2, 60), ctx)[2][..., 2:7] > 0).any())
+
+
+def test_surprisal_without_a_tokenizer_says_so():
+    import pytest
+
+    with pytest.raises(ValueError, match="tokenizer"):
+        kvmerge.generate_ids(tiny_model(), random_ids(100), [3], kvmerge.get_method("surprisal", window=8))
