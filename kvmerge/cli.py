@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = sub.add_parser("demo", help="full cache vs SemantiCache vs CentroidKV on needle prompts")
     demo.add_argument("--methods", type=_csv(str), default=None,
-                      help="default: full, semanticache, centroidkv, streamingllm, snapkv, evictmerge")
+                      help="default: full, semanticache, centroidkv, streamingllm, snapkv, surprisemerge")
     demo.add_argument("--budget", type=float, default=0.25)
     demo.add_argument("--length", type=int, default=2048)
     demo.add_argument("--samples", type=int, default=3)

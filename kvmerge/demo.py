@@ -13,7 +13,7 @@ from .model import load_model
 from .runtime import generate
 
 
-DEFAULT_METHODS = ("full", "semanticache", "centroidkv", "streamingllm", "snapkv", "evictmerge")
+DEFAULT_METHODS = ("full", "semanticache", "centroidkv", "streamingllm", "snapkv", "surprisemerge")
 
 
 def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int = 2048, samples: int = 3,

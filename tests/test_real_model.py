@@ -47,3 +47,18 @@ def test_full_cache_finds_needles(smol, length):
     hits = sum(score(kvmerge.generate(model, tok, s.context, s.question, max_new_tokens=20).text, s.answer)
                for s in samples)
     assert hits == 3
+
+
+@pytest.mark.ci_slow
+def test_surprisemerge_keeps_a_mid_context_needle_that_eviction_loses(smol):
+    """The shipped claim of issue #8 on one sample: at 25% the needle at mid depth is beyond
+    StreamingLLM's window and SnapKV's picks, and kept exact by surprisemerge."""
+    from kvmerge.eval.niah import make_sample, score
+
+    model, tok = smol
+    s = make_sample(tok, 2048, depth=0.5, seed=2048 * 1000 + 2)
+    answers = {name: kvmerge.generate(model, tok, s.context, s.question, kvmerge.get_method(name, budget=0.25),
+                                      max_new_tokens=24) for name in ("surprisemerge", "streamingllm", "snapkv")}
+    assert score(answers["surprisemerge"].text, s.answer) == 1.0
+    assert score(answers["streamingllm"].text, s.answer) == 0.0 and score(answers["snapkv"].text, s.answer) == 0.0
+    assert answers["surprisemerge"].stats["cache_bytes"] <= 0.26 * answers["surprisemerge"].stats["full_cache_bytes"]
