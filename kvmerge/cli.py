@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="tables and plots of a results folder")
     rep.add_argument("folder")
     rep.add_argument("--no-plots", action="store_true")
+    rep.add_argument("--methods", type=_csv(str), default=None, help="only these method specs, as run")
+    rep.add_argument("--plots-to", default=None, help="folder for the PNGs (default: the results folder)")
 
     args = parser.parse_args(argv)
     if args.command == "methods":
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "report":
         from .eval.report import report
 
-        print(report(args.folder, plots=not args.no_plots))
+        print(report(args.folder, plots=not args.no_plots, methods=args.methods, plot_dir=args.plots_to))
     return 0
 
 

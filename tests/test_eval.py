@@ -119,6 +119,8 @@ def test_runner_resumes_writes_summaries_and_reports(tmp_path):
     assert "| niah (beyond the model: full < 50%) | streamingllm | " in text and "50% · 300" in text  # random model
     assert "### fidelity: kl" in text
     assert (tmp_path / "niah_heatmaps.png").exists() and (tmp_path / "fidelity_kl_vs_budget.png").exists()
+    only = report(tmp_path, methods=["full"], plot_dir=tmp_path / "plots")
+    assert "| full |" in only and "streamingllm" not in only and (tmp_path / "plots" / "niah_heatmaps.png").exists()
 
 
 def test_unknown_task_is_refused(tmp_path):

@@ -31,20 +31,24 @@ def table(rows: list[dict], metric: str) -> str:
     return "\n".join(lines)
 
 
-def report(folder, plots: bool = True) -> str:
+def report(folder, plots: bool = True, methods: list[str] | None = None, plot_dir=None) -> str:
+    """Tables (markdown) of every task in `folder`, restricted to `methods` (specs, as run) if given;
+    plots go to `plot_dir` (default: `folder`)."""
     folder = Path(folder)
+    plot_dir = Path(plot_dir or folder)
+    plot_dir.mkdir(parents=True, exist_ok=True)
     texts = []
     for task in TASKS:
-        raw = _read(folder / f"{task}.jsonl")
+        raw = [r for r in _read(folder / f"{task}.jsonl") if methods is None or r["method"] in methods]
         if not raw:
             continue
         rows = summarize(raw)
         for metric in METRICS.get(task, ("score",)):
             texts.append(f"### {task}: {metric}\n\n" + table(rows, metric))
         if plots:
-            _curves(rows, task, folder)
+            _curves(rows, task, plot_dir)
             if task == "niah":
-                _heatmaps(raw, folder)
+                _heatmaps(raw, plot_dir)
     if not texts:
         raise FileNotFoundError(f"no results (<task>.jsonl) in {folder}")
     return "\n\n".join(texts)
