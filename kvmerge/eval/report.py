@@ -65,18 +65,22 @@ def _curves(rows, task, folder):
     series: dict = defaultdict(lambda: defaultdict(list))
     for r in rows:
         series[r["method"]][r["budget"]].append(r[metric])
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for i, (method, by_budget) in enumerate(sorted(series.items())):
         xs = sorted(by_budget)
         ys = [sum(by_budget[x]) / len(by_budget[x]) for x in xs]
         if method == "full":
-            ax.axhline(ys[0], color="black", linestyle="--", label="full")
+            if metric != "kl":  # KL is plotted on a log scale, where the full cache's 0 has no place
+                ax.axhline(ys[0], color="black", linestyle="--", label="full")
         else:
             ax.plot(xs, ys, marker="osD^v<>"[i % 7], color=plt.cm.tab20(i % 20), label=method)
+    if metric == "kl" and any(x > 0 for by in series.values() for ys in by.values() for x in ys):
+        ax.set_yscale("log")
     ax.set_xlabel("budget (fraction of context kept)")
     ax.set_ylabel({"kl": "KL(full ‖ method) per token", "score": "score"}.get(metric, metric))
     ax.set_title(task)
-    ax.legend(fontsize=7, ncol=2)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, bbox_to_anchor=(1.02, 1), loc="upper left")
     fig.tight_layout()
     fig.savefig(folder / f"{task}_{metric}_vs_budget.png", dpi=120)
     plt.close(fig)
