@@ -72,3 +72,18 @@ def test_surprisal_without_a_tokenizer_says_so():
 
     with pytest.raises(ValueError, match="tokenizer"):
         kvmerge.generate_ids(tiny_model(), random_ids(100), [3], kvmerge.get_method("surprisal", window=8))
+
+
+def test_whole_completes_the_last_sentence_of_the_exact_share_when_there_is_room():
+    keys, values, ctx = _surprising_sentence_case()
+    kept = {}
+    for whole in (False, True):
+        m = kvmerge.get_method("evictmerge", budget=17, sinks=2, window=10, recent=0.0, exact=3 / 17, whole=whole)
+        m.setup(None, TinyTokenizer())
+        exact = m._exact_slots(keys, torch.zeros(1, 2, 60), ctx, 17, 10)
+        kept[whole] = set(exact[0, 0].nonzero().squeeze(1).tolist())
+    assert len(kept[False]) == 3 and kept[False] < set(range(20, 25)) and kept[True] == set(range(20, 25))
+    ctx.target = 14  # room for 2 only: the sentence cannot be completed, the plain top-k stays
+    m = kvmerge.get_method("evictmerge", budget=14, sinks=2, window=10, recent=0.0, exact=0.2, whole=True)
+    m.setup(None, TinyTokenizer())
+    assert int(m._exact_slots(keys, torch.zeros(1, 2, 60), ctx, 14, 10).sum(-1).max()) == 2

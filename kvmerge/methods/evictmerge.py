@@ -38,6 +38,7 @@ class EvictMerge(Method):
     exact_top: float = 0.0  # this fraction of the kept entries, the highest-scored, absorb nothing
     exact: float = 0.0  # this fraction of the budget is chosen by `exact_by` and absorbs nothing
     exact_by: str = "surprisal"
+    whole: bool = False  # the exact share's last pick is completed (e.g. a whole sentence), if room
     name = "evictmerge"
 
     def __post_init__(self):
@@ -67,7 +68,13 @@ class EvictMerge(Method):
         scores = self._exact_by.scores(keys, log_n, ctx).float().clone()
         scores[..., :ctx.sinks] = float("-inf")
         scores[..., max(s - window, 0):] = float("-inf")
-        return torch.zeros(scores.shape, dtype=torch.bool, device=keys.device).scatter_(-1, scores.topk(k).indices, True)
+        top = scores.topk(k)
+        exact = torch.zeros(scores.shape, dtype=torch.bool, device=keys.device).scatter_(-1, top.indices, True)
+        if not self.whole or k == 0:
+            return exact
+        tied = scores >= top.values[..., -1:]  # every entry scoring as the last pick: its whole sentence
+        room = target - min(ctx.sinks, target) - window
+        return torch.where(tied.sum(-1, keepdim=True) <= room, tied, exact)
 
     def compress(self, keys, values, log_n, ctx):
         target = self._base.layer_target(ctx) if hasattr(self._base, "layer_target") else ctx.target
