@@ -11,11 +11,13 @@ from .evictmerge import EvictMerge
 class SurpriseMerge(EvictMerge):
     """`evictmerge` with its budget in three shares: the recent window (`recent`, 50%), the sentences
     of highest mean surprisal (`exact`, 25%; kept bit-exact, they absorb nothing) and SnapKV's picks
-    (the rest). Every evicted entry joins its most key-similar window or SnapKV entry with
-    attention-calibrated weights. Shares chosen by measurement (benchmarks/NOTES.md, issue #8): the
-    exact share keeps out-of-place facts (a needle's digits) that similarity merging fuses and
-    attention-scored eviction drops; the attended share and calibrated merging keep fidelity."""
+    (the rest); the share's last sentence is completed from SnapKV's share (`whole`). Every evicted
+    entry joins its most key-similar window or SnapKV entry with attention-calibrated weights.
+    Shares and `whole` chosen by measurement (benchmarks/NOTES.md, issue #8): the exact share keeps
+    out-of-place facts (a needle's digits) that similarity merging fuses and attention-scored
+    eviction drops; the attended share and calibrated merging keep fidelity."""
 
     recent: float = 0.5
     exact: float = 0.25
+    whole: bool = True
     name = "surprisemerge"
