@@ -24,8 +24,8 @@ class CentroidKV(Method):
     `"fraction"`: `budget` × the tokens seen so far. Between re-clusterings the cache grows by at
     most `interval` entries.
     Measured on SmolLM2-135M (benchmarks/NOTES.md): loses to eviction, fidelity KL 0.138 vs SnapKV
-    0.017 and kvmerge's `surprisemerge` 0.013 at 25%, no needle found at 50% or 25%
-    (`surprisemerge`: 9 of 10 at 25%); compression ~4–13% of prefill, linear in context.
+    0.017 and kvmerge's `surprisemerge` 0.014 at 25%, no needle found at 50% or 25%
+    (`surprisemerge`: 10 of 10 at 25%); compression ~4–13% of prefill, linear in context.
     """
 
     chunk_size: int = 32

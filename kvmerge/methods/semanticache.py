@@ -25,8 +25,8 @@ class SemantiCache(Method):
     Ablations: `chunking="fixed"` (64-token chunks), `"none"` (one global cluster pass),
     `proportional=False` (no log-mass bias).
     Measured on SmolLM2-135M (benchmarks/NOTES.md): loses to eviction, fidelity KL 0.134 vs SnapKV
-    0.017 and kvmerge's `surprisemerge` 0.013 at 25%, no needle found at 50% or 25%
-    (`surprisemerge`: 9 of 10 at 25%).
+    0.017 and kvmerge's `surprisemerge` 0.014 at 25%, no needle found at 50% or 25%
+    (`surprisemerge`: 10 of 10 at 25%).
     """
 
     tau: float | None = None
