@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.merge import merge_into_kept
-from ..ops.scores import received_attention, top_slots
+from ..ops.scores import fill_protected, received_attention, top_slots
 from .base import Method, get_method, register
 
 
@@ -63,17 +63,14 @@ class EvictMerge(Method):
 
     def _exact_slots(self, keys, log_n, ctx, target, window):
         """`(b, h, s)` bool: the `exact` share of the budget, best by `exact_by`, outside sinks and window."""
-        s = keys.shape[2]
-        k = min(round(self.exact * target), max(target - min(ctx.sinks, target) - window, 0))
-        scores = self._exact_by.scores(keys, log_n, ctx).float().clone()
-        scores[..., :ctx.sinks] = float("-inf")
-        scores[..., max(s - window, 0):] = float("-inf")
+        room = max(target - min(ctx.sinks, target) - window, 0)
+        k = min(round(self.exact * target), room)
+        scores = fill_protected(self._exact_by.scores(keys, log_n, ctx), ctx.sinks, window, float("-inf"))
         top = scores.topk(k)
         exact = torch.zeros(scores.shape, dtype=torch.bool, device=keys.device).scatter_(-1, top.indices, True)
         if not self.whole or k == 0:
             return exact
         tied = scores >= top.values[..., -1:]  # every entry scoring as the last pick: its whole sentence
-        room = target - min(ctx.sinks, target) - window
         return torch.where(tied.sum(-1, keepdim=True) <= room, tied, exact)
 
     def compress(self, keys, values, log_n, ctx):

@@ -47,11 +47,16 @@ def pool_scores(scores, kernel: int):
 
 def top_slots(scores, target: int, sinks: int, window: int):
     """Indices `(b, h, target)` in order: sinks and window always, the rest by highest score."""
+    return topk_in_order(fill_protected(scores, sinks, window, float("inf")), min(target, scores.shape[-1]))
+
+
+def fill_protected(scores, sinks: int, window: int, value: float):
+    """A float copy of `scores` `(..., s)` with the first `sinks` and last `window` slots set to `value`."""
     s = scores.shape[-1]
     scores = scores.float().clone()
-    scores[..., :sinks] = float("inf")
-    scores[..., max(s - window, 0):] = float("inf")
-    return topk_in_order(scores, min(target, s))
+    scores[..., :sinks] = value
+    scores[..., max(s - window, 0):] = value
+    return scores
 
 
 def keep_top(keys, values, log_n, scores, target: int, sinks: int, window: int):
