@@ -8,7 +8,8 @@ import argparse
 import torch
 
 import kvmerge
-from kvmerge.eval.niah import haystack
+from kvmerge_eval.bench import prefilled
+from kvmerge_eval.niah import haystack
 
 
 def main():
@@ -23,18 +24,11 @@ def main():
           + " |")
     for n in [int(x) for x in args.lengths.split(",")]:
         ids = tok(" ".join(haystack(tok, n)))["input_ids"][:n]
-        cells, prefill = [], None
-        for name in args.methods.split(","):
-            method = kvmerge.get_method(name, budget=args.budget)
-            method.setup(model, tok)
-            s = kvmerge.Session(model, 1)
-            with torch.inference_mode():
-                s.prefill([ids], method)
-            t = s.timings
-            prefill = t["prefill_seconds"] if prefill is None else min(prefill, t["prefill_seconds"])
-            cells.append(t["compress_seconds"])
+        runs = [prefilled(model, ids, name, args.budget, tok)[1] for name in args.methods.split(",")]
+        prefill = min(r["prefill_s"] for r in runs)
         print(f"| {n} | {prefill:.2f} | " + " | ".join(
-            f"{c:.3f} ({100 * c / prefill:.0f}%, {1000 * c / n * 1000:.0f})" for c in cells) + " |")
+            f"{r['compress_s']:.3f} ({100 * r['compress_s'] / prefill:.0f}%, {1e6 * r['compress_s'] / n:.0f})"
+            for r in runs) + " |")
 
 
 if __name__ == "__main__":

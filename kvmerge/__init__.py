@@ -5,16 +5,18 @@
     out = kvmerge.generate(model, tok, context=..., question=..., method=method)
 """
 
-from . import attention  # noqa: F401  (registers the "kvmerge" attention with transformers)
+from .attention import kvmerge_attention
 from .cache import MergedCache, MergedLayer
-from .methods import LayerContext, Method, available_methods, get_method
-from .model import check_supported, load_model, prepare
-from .runtime import (GenerationOutput, Session, answer_questions, compress_cache, generate, generate_ids,
-                      split_prompt)
+from .generate import GenerationOutput, answer_questions, generate, generate_ids, split_prompt
+from .methods import (LayerContext, LayerState, Method, ScoringMethod, available_methods, get_method,
+                      method_from_spec, register)
+from .model import check_supported, load_model
+from .ops.kv import KV
+from .session import Session
 
 __all__ = [
-    "GenerationOutput", "LayerContext", "MergedCache", "MergedLayer", "Method", "Session", "available_methods",
-    "answer_questions", "check_supported", "compress_cache", "generate", "generate_ids", "get_method", "load_model", "prepare",
-    "split_prompt",
+    "KV", "GenerationOutput", "LayerContext", "LayerState", "MergedCache", "MergedLayer", "Method", "ScoringMethod",
+    "Session", "answer_questions", "available_methods", "check_supported", "generate", "generate_ids", "get_method",
+    "kvmerge_attention", "load_model", "method_from_spec", "register", "split_prompt",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

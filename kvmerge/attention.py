@@ -7,6 +7,8 @@ merging identical tokens is lossless. With `log_n is None` (plain cache) the sto
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -51,25 +53,25 @@ def biased_sdpa(query, key, value, log_n, scaling=None):
 
 
 def proportional_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                           is_causal=None, kvmerge_layer=None, **kwargs):
-    """Registered as transformers attention `"kvmerge"`; reads the layer's log_n from the cache."""
+                           is_causal=None, kvmerge_log_n=None, kvmerge_listener=None, **kwargs):
+    """Registered as transformers attention `"kvmerge"`. `kvmerge_log_n` `(b, hkv, s)` and
+    `kvmerge_listener` `(layer_idx, fn)` come from `MergedCache.update`; with another cache both are
+    None and this is stock causal SDPA."""
     if attention_mask is not None:
         raise ValueError("kvmerge attention builds its own mask; pass no 4D attention_mask "
                          "(for padded batches use kvmerge.generate)")
-    layer = kvmerge_layer
-    if layer is not None:
-        layer.capture(query)
-    log_n = None if layer is None else layer.log_n
     q_len, kv_len = query.shape[2], key.shape[2]
-    if log_n is None and (q_len == 1 or kv_len == q_len):
+    if kvmerge_log_n is None and (q_len == 1 or kv_len == q_len):
         out, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
                                         is_causal=True, **kwargs)
     else:
+        log_n = kvmerge_log_n
         if log_n is None:
-            log_n = layer.full_log_n()
+            log_n = torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device)
         out = biased_sdpa(query, key, value, log_n, scaling)
-    if layer is not None and layer.decode_hook is not None and layer.run_hooks and q_len == 1:
-        layer.decode_hook(layer, query)
+    if kvmerge_listener is not None:
+        layer_idx, listener = kvmerge_listener
+        listener(layer_idx, query)
     return out, None
 
 
@@ -82,9 +84,19 @@ def padding_free_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
     return None
 
 
-def register() -> None:
-    AttentionInterface.register(ATTN_NAME, proportional_attention)
-    AttentionMaskInterface.register(ATTN_NAME, padding_free_mask)
-
-
-register()
+@contextmanager
+def kvmerge_attention(model):
+    """Run `model` with kvmerge's attention inside the block; its previous implementation is restored
+    on exit (nested scopes are free). Identical to `sdpa` on a cache with nothing merged."""
+    previous = model.config._attn_implementation
+    if previous == ATTN_NAME:
+        yield model
+        return
+    if ATTN_NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTN_NAME, proportional_attention)
+        AttentionMaskInterface.register(ATTN_NAME, padding_free_mask)
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)

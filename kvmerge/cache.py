@@ -3,48 +3,43 @@
 Per layer, `keys`/`values` are `(batch, kv_heads, slots, head_dim)` (keys already rotated by RoPE)
 and `log_n` is `(batch, kv_heads, slots)` float32: log of how many original tokens an entry stands
 for (0 for a plain token), `-inf` for an empty padding slot. `log_n is None` means "all zeros": the
-cache is then an ordinary cache and attention takes the stock SDPA path.
+cache is then an ordinary cache and attention takes the stock SDPA path. `seen` counts the tokens
+appended, so new tokens keep their true positions however few entries remain.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .ops.merge import take
+from .ops.kv import KV
 
 LOG_N_DTYPE = torch.float32
 
 
 class MergedLayer(DynamicLayer):
-    """One layer's merged cache. `seen` counts tokens appended (positions); `entries` counts slots."""
+    """One layer's merged cache: `keys`, `values`, `log_n` and the token counter `seen`, nothing else."""
+
+    is_croppable = False  # entries no longer map to token positions once merged
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.log_n: torch.Tensor | None = None
         self.seen = 0
-        self.pending_log_n: torch.Tensor | None = None  # (batch, new) log-mass of the next update
-        self.capture_queries = 0  # how many of the latest queries to keep (-1: all)
-        self.queries: torch.Tensor | None = None
-        self.decode_hook = None  # callable(layer, query) run after attention during decoding
-        self.run_hooks = True  # False while feeding a prompt one token at a time
-        self.slot_scores: torch.Tensor | None = None  # (batch, kv_heads, slots) a decode hook keeps in step
-        self.targets: torch.Tensor | None = None  # (batch,) entries each row was compressed to
-        self.compressed_at = 0  # `seen` when the last prefill compression ran
-        self.index = 0
 
     # -- transformers Cache protocol -------------------------------------------------------
-    def update(self, key_states, value_states, *args, kwargs=None, **_):
+    def update(self, key_states, value_states, new_log_n: torch.Tensor | None = None):
+        """Append `(b, h, q, d)` keys/values; `new_log_n` `(b, q)` is their log-mass (None: zeros)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, q, _d = key_states.shape
-        new_log_n = self.pending_log_n
-        self.pending_log_n = None
         if new_log_n is not None or self.log_n is not None:
             if new_log_n is None:
                 new_log_n = torch.zeros(b, q, dtype=LOG_N_DTYPE, device=key_states.device)
-            new_log_n = new_log_n.to(LOG_N_DTYPE)[:, None, :].expand(b, h, q)
+            new_log_n = new_log_n.to(device=key_states.device, dtype=LOG_N_DTYPE)[:, None, :].expand(b, h, q)
             old = self.log_n
             if old is None:
                 old = torch.zeros(b, h, self.entries, dtype=LOG_N_DTYPE, device=key_states.device)
@@ -52,8 +47,6 @@ class MergedLayer(DynamicLayer):
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.seen += q
-        if kwargs is not None:
-            kwargs["kvmerge_layer"] = self
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -68,7 +61,7 @@ class MergedLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.log_n, self.seen, self.queries, self.pending_log_n = None, 0, None, None
+        self.log_n, self.seen = None, 0
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
@@ -105,6 +98,9 @@ class MergedLayer(DynamicLayer):
         b, h, s, _ = self.keys.shape
         return torch.zeros(b, h, s, dtype=LOG_N_DTYPE, device=self.keys.device)
 
+    def kv(self) -> KV:
+        return KV(self.keys, self.values, self.full_log_n())
+
     def replace(self, keys: torch.Tensor, values: torch.Tensor, log_n: torch.Tensor | None) -> None:
         """Install compressed tensors; an all-zero `log_n` is dropped so attention stays on the fast path."""
         if log_n is not None and not bool((log_n == 0).all()):
@@ -115,34 +111,25 @@ class MergedLayer(DynamicLayer):
 
     def select(self, idx: torch.Tensor, empty: torch.Tensor | None = None) -> None:
         """Keep slots `idx` `(batch, kv_heads, k)`; those flagged in `empty` become empty slots."""
-        keys, values, log_n = take(self.keys, self.values, self.full_log_n(), idx)
+        keys, values, log_n = self.kv().take(idx)
         self.replace(keys, values, log_n if empty is None else log_n.masked_fill(empty, float("-inf")))
 
-    def capture(self, query: torch.Tensor) -> None:
-        """Keep the latest `capture_queries` post-RoPE queries `(batch, heads, n, head_dim)`."""
-        n = self.capture_queries
-        if n == 0:
-            return
-        q = query if self.queries is None else torch.cat([self.queries, query], dim=2)
-        self.queries = q if n < 0 else q[:, :, -n:]
-
-    def map_rows(self, fn) -> None:
-        """Replace the layer by `fn(keys, values, log_n, rows)` applied to dense groups of batch rows.
+    def map_rows(self, fn: Callable[[KV, torch.Tensor], KV]) -> None:
+        """Replace the layer by `fn(kv, rows)` applied to dense groups of batch rows.
 
         Slots empty in every head (batch padding) are stripped first, row by row when there are any;
         results of different lengths are re-padded with empty slots. Slots empty in only some heads
         (ragged heads) stay and reach `fn` with log_n = -inf.
         """
-        log_n = self.full_log_n()
-        dead = torch.isinf(log_n).all(dim=1)
+        kv = self.kv()
+        dead = torch.isinf(kv.log_n).all(dim=1)
         if not bool(dead.any()):
-            self.replace(*fn(self.keys, self.values, log_n, torch.arange(log_n.shape[0])))
+            self.replace(*fn(kv, torch.arange(kv.keys.shape[0])))
             return
         parts = []
-        for b in range(log_n.shape[0]):
+        for b in range(kv.keys.shape[0]):
             idx = (~dead[b]).nonzero().squeeze(1)
-            k, v, ln = self.keys[b:b + 1, :, idx], self.values[b:b + 1, :, idx], log_n[b:b + 1, :, idx]
-            parts.append(fn(k, v, ln, torch.tensor([b])))
+            parts.append(fn(KV(*(x[b:b + 1, :, idx] for x in kv)), torch.tensor([b])))
         self.replace(*stack_rows(parts))
 
     def mass(self) -> torch.Tensor:
@@ -151,13 +138,30 @@ class MergedLayer(DynamicLayer):
 
 
 class MergedCache(Cache):
-    """A `Cache` of `MergedLayer`s, one per decoder layer."""
+    """A `Cache` of `MergedLayer`s, one per decoder layer.
+
+    Two things beside the layers, both set by whoever feeds the model (the kvmerge runtime):
+    `next_log_n` `(batch, new)`, the log-mass of the tokens of the next forward (0 real, -inf
+    padding; None: all real), and `listener`, called by kvmerge's attention as
+    `listener(layer_idx, query)` after each layer's attention with its post-RoPE queries
+    `(batch, heads, q, head_dim)`: the one hook through which the runtime captures queries and runs
+    decode-time policies.
+    """
 
     def __init__(self, num_layers: int):
-        layers = [MergedLayer() for _ in range(num_layers)]
-        for i, layer in enumerate(layers):
-            layer.index = i
-        super().__init__(layers=layers)
+        super().__init__(layers=[MergedLayer() for _ in range(num_layers)])
+        self.next_log_n: torch.Tensor | None = None
+        self.listener: Callable[[int, torch.Tensor], None] | None = None
+
+    def update(self, key_states, value_states, layer_idx: int, kwargs: dict | None = None):
+        """Append to layer `layer_idx`. Transformers passes the same `kwargs` dict on to the attention
+        function, so the layer's log-mass and the listener reach kvmerge's attention through it."""
+        layer = self.layers[layer_idx]
+        keys, values = layer.update(key_states, value_states, self.next_log_n)
+        if kwargs is not None:
+            kwargs["kvmerge_log_n"] = layer.log_n
+            kwargs["kvmerge_listener"] = None if self.listener is None else (layer_idx, self.listener)
+        return keys, values
 
     @property
     def nbytes(self) -> int:
@@ -167,20 +171,13 @@ class MergedCache(Cache):
     def entries(self) -> list[int]:
         return [layer.entries for layer in self.layers]
 
-    def set_pending_log_n(self, log_n: torch.Tensor | None) -> None:
-        """Log-mass of the tokens of the next forward, `(batch, new)`: 0 real, -inf padding."""
-        for layer in self.layers:
-            layer.pending_log_n = log_n
 
-
-def stack_rows(parts):
-    """Stack per-row (keys, values, log_n) of different slot counts, padding with empty slots."""
-    width = max(p[0].shape[2] for p in parts)
-    out = []
-    for k, v, ln in parts:
-        pad = width - k.shape[2]
-        out.append((F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad)), F.pad(ln, (0, pad), value=float("-inf"))))
-    return tuple(torch.cat(xs, dim=0) for xs in zip(*out))
+def stack_rows(parts: list[KV]) -> KV:
+    """Stack per-row KVs of different slot counts, padding with empty slots."""
+    width = max(p.slots for p in parts)
+    padded = [KV(F.pad(k, (0, 0, 0, width - k.shape[2])), F.pad(v, (0, 0, 0, width - k.shape[2])),
+                 F.pad(ln, (0, width - k.shape[2]), value=float("-inf"))) for k, v, ln in parts]
+    return KV(*(torch.cat(xs, dim=0) for xs in zip(*padded)))
 
 
 def bytes_per_token(config, dtype: torch.dtype) -> int:

@@ -1,13 +1,26 @@
-"""Command line: `kvmerge demo | eval | report | bench | methods`."""
+"""Command line: `kvmerge demo | eval | report | bench | methods` (also `python -m kvmerge`).
+
+Everything but `methods` runs the evaluation package `kvmerge_eval` (`pip install kvmerge[eval]`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 
 def _csv(kind):
     return lambda s: [kind(x) for x in s.split(",") if x]
+
+
+def _eval(module: str):
+    """A module of `kvmerge_eval`, or a clear error if the eval extra is not installed."""
+    try:
+        return importlib.import_module(f"kvmerge_eval.{module}")
+    except ModuleNotFoundError as e:
+        raise SystemExit(f"kvmerge: this command needs the evaluation extra ({e.name} is missing): "
+                         "pip install 'kvmerge[eval]'") from e
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,36 +72,31 @@ def main(argv: list[str] | None = None) -> int:
 
         print("\n".join(available_methods()))
     elif args.command == "demo":
-        from .demo import run_demo
-
-        run_demo(args.methods, args.budget, args.length, args.samples, args.model)
+        _eval("demo").run_demo(args.methods, args.budget, args.length, args.samples, args.model)
     elif args.command == "eval":
-        from .eval.report import report
-        from .eval.runner import run
         from .model import load_model
 
+        runner, report = _eval("runner"), _eval("report")
         model, tok = load_model(args.model)
-        run(args.task, model, tok, args.methods, args.budgets, args.lengths, args.samples, args.out,
-            args.protocol, args.text, args.limit, args.subtasks)
-        print(report(args.out, plots=False))
+        runner.run(args.task, model, tok, args.methods, args.budgets, args.lengths, args.samples, args.out,
+                   args.protocol, args.text, args.limit, args.subtasks)
+        print(report.report(args.out, plots=False))
     elif args.command == "bench":
-        from .eval.bench import bias_overhead, run_bench
         from .model import load_model
 
+        bench = _eval("bench")
         model, tok = load_model(args.model)
-        rows = run_bench(model, args.methods, args.budget, args.lengths, args.batches, args.steps, args.out, tok)
+        rows = bench.run_bench(model, args.methods, args.budget, args.lengths, args.batches, args.steps, args.out, tok)
         cols = ["length", "batch", "method", "ms_per_step", "tokens_per_s", "speedup", "cache_vs_full",
                 "compress_vs_prefill", "peak_extra_mb", "floor_ms", "vs_floor"]
         print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
         for r in rows:
             print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
-        o = bias_overhead(model, max(args.lengths), max(args.batches), args.steps)
-        print(f"biased attention with log_n = 0 vs stock SDPA, batch {o['batch']} x {o['length']} tokens: "
+        o = bench.bias_overhead(model, max(args.lengths), max(args.batches), args.steps)
+        print(f"attention alone, biased with log_n = 0 vs stock SDPA, batch {o['batch']} x {o['length']} tokens: "
               f"{o['biased_ms']:.1f} vs {o['stock_ms']:.1f} ms/step ({o['overhead']:+.1%})")
     elif args.command == "report":
-        from .eval.report import report
-
-        print(report(args.folder, plots=not args.no_plots, methods=args.methods, plot_dir=args.plots_to))
+        print(_eval("report").report(args.folder, plots=not args.no_plots, methods=args.methods, plot_dir=args.plots_to))
     return 0
 
 

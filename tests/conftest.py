@@ -51,13 +51,11 @@ def stock_logits(model, ids, steps):
 
 def session_logits(model, ids, steps, method=None, split=None):
     """The same through kvmerge's Session (optionally compressing after the first `split` tokens)."""
-    s = kvmerge.Session(model, 1)
+    s = kvmerge.Session(model, 1, method)
     out = []
     with torch.no_grad():
         first = ids if split is None else ids[:split]
-        logits = s.forward([first])
-        if method is not None:
-            s.compress(method, [first])
+        logits = s.prefill([first])
         if split is not None:
             logits = s.forward([ids[split:]])
         out.append(logits)

@@ -50,14 +50,11 @@ def test_pyramid_budgets_shrink_with_depth_and_average_to_budget():
 
 def test_tova_evicts_during_decoding_to_stay_in_budget():
     model = tiny_model()
-    s = kvmerge.Session(model, 1)
     m = kvmerge.get_method("tova", budget=0.25, window=8)
-    for layer in s.cache.layers:
-        layer.capture_queries = m.query_window
+    s = kvmerge.Session(model, 1, m)
     ids = random_ids(160)
     with torch.no_grad():
-        logits = s.forward([ids])
-        s.compress(m, [ids])
+        logits = s.prefill([ids])
         for _ in range(30):
             logits = s.forward([[int(logits.argmax(-1))]])
             assert all(e == 40 for e in s.cache.entries)
@@ -81,9 +78,9 @@ def test_every_method_batch_budget_and_dtype(name, dtype):
         alone = [kvmerge.generate_ids(model, c, q, m, max_new_tokens=6, tokenizer=tok).tokens[0]
                  for c, q in zip(ctx, qs)]
         assert out.tokens == alone
-    s = kvmerge.Session(model, 1)
+    s = kvmerge.Session(model, 1, m, tok)
     with torch.no_grad():
-        s.prefill([ctx[0]], m)
+        s.prefill([ctx[0]])
         assert torch.isfinite(s.forward([[3]])).all()
 
 
@@ -164,13 +161,10 @@ def test_cam_spreads_evicted_values_over_the_next_positions():
 def test_d2o_layer_budgets_and_threshold_merging():
     model = tiny_model()
     m = kvmerge.get_method("d2o", budget=0.25, window=8)
-    s = kvmerge.Session(model, 1)
+    s = kvmerge.Session(model, 1, m)
     ids = random_ids(200, seed=3)
     with torch.no_grad():
-        for layer in s.cache.layers:
-            layer.capture_queries = m.query_window
-        s.forward([ids])
-        s.compress(m, [ids])
+        s.prefill([ids])
     assert abs(sum(s.cache.entries) - 2 * m.target(200)) <= 2  # total preserved across layers
     assert 0.0 < m.stats["merged_fraction"] < 1.0
     # an evicted duplicate of a kept key merges as the average with weights e and e
@@ -189,12 +183,12 @@ def test_d2o_layer_budgets_and_threshold_merging():
     assert torch.allclose(v[0, 0, 2], (values[0, 0, 20] + values[0, 0, 21]) / 2, atol=1e-6)
 
 
-def test_evictmerge_floor_above_one_is_its_base_and_merging_conserves_mass():
+def test_evictmerge_min_cosine_above_one_is_its_base_and_merging_conserves_mass():
     keys, values, queries = _case()
     ctx = LayerContext(0, 1, target=20, sinks=4, window=8, scaling=8 ** -0.5, queries=queries)
     log_n = torch.zeros(1, 1, 100)
     base = kvmerge.get_method("snapkv", budget=20, sinks=4, window=8).compress(keys, values, log_n, ctx)
-    same = kvmerge.get_method("evictmerge", budget=20, sinks=4, window=8, floor=1.5,
+    same = kvmerge.get_method("evictmerge", budget=20, sinks=4, window=8, min_cosine=1.5,
                               calibrate=False, recent=0.0).compress(keys, values, log_n, ctx)
     assert all(torch.equal(a, b) for a, b in zip(base[:2], same[:2])) and bool((same[2] == 0).all())
     k, v, ln = kvmerge.get_method("evictmerge", budget=20, sinks=4, window=8, calibrate=False, recent=0.0).compress(
@@ -209,7 +203,7 @@ def test_evictmerge_of_duplicates_leaves_attention_unchanged():
     g = torch.Generator().manual_seed(1)
     keys, values = torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g)
     keys[:, :, :10], values[:, :, :10] = keys[:, :, 20:30], values[:, :, 20:30]  # evicted 0..9 twin kept 20..29
-    m = kvmerge.get_method("evictmerge", budget=30, sinks=0, window=10, base="streamingllm", floor=0.999,
+    m = kvmerge.get_method("evictmerge", budget=30, sinks=0, window=10, base="streamingllm", min_cosine=0.999,
                            calibrate=False, recent=0.0)
     k, v, ln = m.compress(keys, values, torch.zeros(1, 2, 40), LayerContext(0, 1, 30, 0, 10, 8 ** -0.5))
     assert k.shape[2] == 30 and torch.equal(ln.exp().round()[0, 0, 10:20], torch.full((10,), 2.0))
@@ -249,14 +243,3 @@ def test_calibrated_merge_reproduces_the_observed_attention_output():
     assert torch.equal(k, keys[:, :, :20])
     full = torch.nn.functional.scaled_dot_product_attention(q, keys, values)
     assert torch.allclose(full, biased_sdpa(q, k, v, ln, scaling=8 ** -0.5).transpose(1, 2), atol=1e-5)
-
-
-def test_evictmerge_exact_top_keeps_the_best_scored_entries_exact():
-    keys, values, queries = _case()
-    ctx = LayerContext(0, 1, target=20, sinks=4, window=8, scaling=8 ** -0.5, queries=queries)
-    m = kvmerge.get_method("evictmerge", budget=20, sinks=4, window=8, base="h2o", calibrate=True, exact_top=0.5,
-                           recent=0.0)
-    k, v, ln = m.compress(keys, values, torch.zeros(1, 1, 100), ctx)
-    hot = [i for i in range(20) if any(torch.equal(k[0, 0, i], keys[0, 0, h]) for h in (20, 41, 63))]
-    assert len(hot) == 3 and all(torch.equal(v[0, 0, i], values[0, 0, h]) for i, h in zip(hot, (20, 41, 63)))
-    assert bool((ln[0, 0, hot] == 0).all()) and bool((ln > 0).any())  # hot ones exact, others absorbed

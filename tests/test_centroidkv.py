@@ -107,12 +107,11 @@ def test_merging_adjacent_duplicates_leaves_attention_unchanged():
 def test_long_generation_stays_in_budget(decode_budget):
     model = tiny_model()
     method = kvmerge.get_method("centroidkv", budget=0.25, window=16, interval=64, decode_budget=decode_budget)
-    s = kvmerge.Session(model, 1)
+    s = kvmerge.Session(model, 1, method)
     ids = random_ids(400, seed=2)
     seen_entries = []
     with torch.no_grad():
-        logits = s.forward([ids])
-        s.compress(method, [ids])
+        logits = s.prefill([ids])
         target = method.target(400)
         for step in range(1000):
             logits = s.forward([[int(logits.argmax(-1))]])
@@ -131,10 +130,9 @@ def test_long_generation_stays_in_budget(decode_budget):
             sess = kvmerge.Session(model, 1)
             with torch.no_grad():
                 sess.forward([ids + [1] * 1000])
-        sess.cache.layers[0].capture_queries = 1
         with torch.no_grad():
-            sess.forward([[9]])
-        q.append(sess.cache.layers[0].queries)
+            sess.forward([[9]], capture=1)
+        q.append(sess.states[0].queries)
     assert torch.allclose(q[0], q[1], atol=1e-5)
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import kvmerge
-from kvmerge.eval import code, fidelity, niah, ruler
-from kvmerge.eval.report import report
-from kvmerge.eval.runner import run
+from kvmerge_eval import code, fidelity, niah, ruler
+from kvmerge_eval.report import report
+from kvmerge_eval.runner import run
 
 from .conftest import random_ids, tiny_model
 from .test_semanticache import _sp_tokenizer
@@ -129,7 +129,7 @@ def test_unknown_task_is_refused(tmp_path):
 
 
 def test_bench_writes_side_by_side_rows(tmp_path):
-    from kvmerge.eval.bench import bias_overhead, run_bench
+    from kvmerge_eval.bench import bias_overhead, run_bench
 
     tok = _sp_tokenizer()
     rows = run_bench(tiny_model(vocab_size=len(tok)), ["streamingllm"], 0.25, [256], [1, 2], 2, tmp_path, tok)
@@ -142,7 +142,7 @@ def test_bench_writes_side_by_side_rows(tmp_path):
 
 
 def test_report_marks_tasks_beyond_the_model():
-    from kvmerge.eval.report import table
+    from kvmerge_eval.report import table
 
     rows = [{"task": "multikey", "method": "full", "budget": 1.0, "length": 100, "n": 2, "score": 0.25},
             {"task": "multikey", "method": "snapkv", "budget": 0.5, "length": 100, "n": 2, "score": 0.0},

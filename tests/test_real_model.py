@@ -25,14 +25,13 @@ def test_noop_equals_stock_on_smollm2(smol):
 
 @pytest.mark.ci_slow
 def test_full_cache_answers_a_needle_and_matches_model_generate(smol):
-    from kvmerge.eval.niah import make_sample, score
+    from kvmerge_eval.niah import make_sample, score
 
     model, tok = smol
     s = make_sample(tok, 512, depth=0.5, seed=3)
     out = kvmerge.generate(model, tok, s.context, s.question, max_new_tokens=20)
     assert score(out.text, s.answer) == 1.0
     ctx, q = kvmerge.split_prompt(tok, s.context, s.question)
-    kvmerge.prepare(model)
     ref = model.generate(torch.tensor([ctx + q]), max_new_tokens=20, do_sample=False)[0, len(ctx + q):]
     assert out.tokens[0] == ref.tolist()[:len(out.tokens[0])]
 
@@ -40,7 +39,7 @@ def test_full_cache_answers_a_needle_and_matches_model_generate(smol):
 @pytest.mark.slow
 @pytest.mark.parametrize("length", [1024, 2048])
 def test_full_cache_finds_needles(smol, length):
-    from kvmerge.eval.niah import make_sample, score
+    from kvmerge_eval.niah import make_sample, score
 
     model, tok = smol
     samples = [make_sample(tok, length, depth=d, seed=i) for i, d in enumerate([0.1, 0.5, 0.9])]
@@ -53,7 +52,7 @@ def test_full_cache_finds_needles(smol, length):
 def test_surprisemerge_keeps_a_mid_context_needle_that_eviction_loses(smol):
     """The shipped claim of issue #8 on one sample: at 25% the needle at mid depth is beyond
     StreamingLLM's window and SnapKV's picks, and kept exact by surprisemerge."""
-    from kvmerge.eval.niah import make_sample, score
+    from kvmerge_eval.niah import make_sample, score
 
     model, tok = smol
     s = make_sample(tok, 2048, depth=0.5, seed=2048 * 1000 + 2)

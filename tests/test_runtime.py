@@ -32,9 +32,10 @@ def test_full_method_reproduces_model_generate(llama):
 def test_merged_cache_under_model_generate(llama):
     ids = torch.tensor([random_ids(30, seed=2)])
     ref = llama.generate(ids, max_new_tokens=10, do_sample=False)
-    kvmerge.prepare(llama)
-    got = llama.generate(ids, max_new_tokens=10, do_sample=False, cache=kvmerge.MergedCache(2))
+    with kvmerge.kvmerge_attention(llama):
+        got = llama.generate(ids, max_new_tokens=10, do_sample=False, cache=kvmerge.MergedCache(2))
     assert ref.tolist() == got.tolist()
+    assert llama.config._attn_implementation == "sdpa"  # restored after the scope
 
 
 def test_biased_attention_with_zero_mass_equals_sdpa():
@@ -73,13 +74,11 @@ def test_positions_continue_from_tokens_seen(llama):
     ids = random_ids(80, seed=4)
     queries = []
     for method in (kvmerge.get_method("full"), kvmerge.get_method("streamingllm", budget=0.5, window=8)):
-        s = kvmerge.Session(llama, 1)
+        s = kvmerge.Session(llama, 1, method)
         with torch.no_grad():
-            s.forward([ids])
-            s.compress(method, [ids])
-            s.cache.layers[0].capture_queries = 1
-            s.forward([[9]])
-        queries.append(s.cache.layers[0].queries)
+            s.prefill([ids])
+            s.forward([[9]], capture=1)
+        queries.append(s.states[0].queries)
     assert s.cache.layers[0].entries == 41  # 40 kept + the new token
     assert s.cache.get_seq_length() == 81
     assert torch.allclose(queries[0], queries[1], atol=1e-6)
@@ -137,20 +136,19 @@ def test_bad_inputs_get_clear_errors(llama):
 def test_unsupported_models_are_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
     with pytest.raises(ValueError, match="unsupported model type 'gpt2'"):
-        kvmerge.prepare(gpt2)
+        kvmerge.check_supported(gpt2)
     with pytest.raises(ValueError, match="sliding-window"):
-        kvmerge.prepare(tiny_model("mistral", sliding_window=16))
+        kvmerge.check_supported(tiny_model("mistral", sliding_window=16))
     no_rope = tiny_model("llama")
     no_rope.config.rope_parameters = None
     with pytest.raises(ValueError, match="RoPE"):
-        kvmerge.prepare(no_rope)
+        kvmerge.check_supported(no_rope)
     with pytest.raises(TypeError):
-        kvmerge.prepare(object())
+        kvmerge.check_supported(object())
 
 
 def test_padded_attention_mask_is_refused_not_ignored(llama):
-    kvmerge.prepare(llama)
-    with pytest.raises(ValueError, match="padded"):
+    with kvmerge.kvmerge_attention(llama), pytest.raises(ValueError, match="padded"):
         llama(torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[0, 1, 1]]))
 
 

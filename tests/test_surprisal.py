@@ -14,7 +14,7 @@ def test_prefill_surprisal_is_the_models_own_next_token_loss_under_padding():
     rows = [random_ids(50, seed=1), random_ids(30, seed=2)]
     s = kvmerge.Session(model, 2)
     with torch.no_grad():
-        _, surp = s.forward(rows, surprisal=True)
+        surp = s.forward_surprisal(rows)
         for b, r in enumerate(rows):
             logp = tiny_model().forward(torch.tensor([r])).logits[0].log_softmax(-1)
             want = torch.cat([torch.zeros(1), -logp[:-1].gather(-1, torch.tensor(r[1:])[:, None])[:, 0]])

@@ -1,14 +1,29 @@
-"""The compression-method interface, budgets, and the method registry."""
+"""The compression-method interface: `Method` (one `compress` entry point) and `ScoringMethod`
+(define `scores`, get selection for free), the per-layer context and the per-layer request state."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-_REGISTRY: dict[str, type["Method"]] = {}
+from ..ops.kv import KV
+from ..ops.scores import top_slots
+
+
+@dataclass
+class LayerState:
+    """What the runtime keeps for one layer during one request, beside the cache: the captured
+    post-RoPE queries `(batch, heads, n, head_dim)`, each row's compression target `(batch,)`, the
+    tokens seen when it was compressed, and `scratch`, a decode policy's own state (e.g. H2O's
+    accumulated scores)."""
+
+    queries: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+    compressed_at: int = 0
+    scratch: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -17,7 +32,8 @@ class LayerContext:
 
     `token_ids` `(batch, slots)` are the ids of the cached plain tokens (prefill only), `surprisal` their
     −log p given the prefix (when the method sets `needs_surprisal`); `queries`
-    `(batch, heads, n, head_dim)` are the captured post-RoPE prompt queries (the last `n`).
+    `(batch, heads, n, head_dim)` are the captured post-RoPE prompt queries (the last `n`); `rows`
+    which batch rows these are; `state` the layer's request state.
     """
 
     layer_idx: int
@@ -28,10 +44,9 @@ class LayerContext:
     scaling: float
     token_ids: torch.Tensor | None = None
     queries: torch.Tensor | None = None
-    decoding: bool = False
-    rows: torch.Tensor | None = None  # which batch rows these are
-    dense: bool = True  # False in `plan` when rows are padded (then per-row work belongs in `compress`)
-    surprisal: torch.Tensor | None = None  # (batch, slots) −log p(token | prefix), if the method asks
+    rows: torch.Tensor | None = None
+    surprisal: torch.Tensor | None = None
+    state: LayerState | None = None
 
 
 @dataclass
@@ -40,7 +55,9 @@ class Method:
 
     `budget`: a float in (0, 1] is the fraction of context tokens kept per layer and KV head; an int is
     an absolute number of entries. The `sinks` first and `window` last tokens are protected and count
-    inside the budget.
+    inside the budget. The runtime calls `setup` once per request, captures the last `query_window`
+    prompt queries (-1: all) and computes surprisal if `needs_surprisal`, calls `plan` once with every
+    layer, `compress` per layer, and `on_decode` after each decoding step's attention per layer.
     """
 
     budget: float | int = 0.25
@@ -49,8 +66,9 @@ class Method:
     stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     name: ClassVar[str] = ""
-    query_window: ClassVar[int] = 0  # prompt queries to capture at prefill (-1: all of them)
-    needs_surprisal: ClassVar[bool] = False  # prefill also computes each token's surprisal
+    query_window: ClassVar[int] = 0
+    needs_surprisal: ClassVar[bool] = False
+    has_decode_policy: ClassVar[bool] = False
 
     def __post_init__(self):
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
@@ -77,51 +95,34 @@ class Method:
         return want
 
     def setup(self, model, tokenizer) -> None:
-        """Called once per generation before prefill (e.g. to build token tables)."""
+        """Called once per request before prefill (e.g. to build token tables)."""
 
-    def plan(self, layers, ctx: LayerContext) -> None:
-        """Called once with all `MergedLayer`s (queries captured) before any layer is compressed;
-        `ctx` describes the whole batch (layer_idx -1)."""
+    def plan(self, layers, states: list[LayerState], ctx: LayerContext) -> None:
+        """Called once with every `MergedLayer` and its state before any layer is compressed; `ctx`
+        describes the whole batch (layer_idx -1)."""
 
-    def compress(self, keys, values, log_n, ctx: LayerContext):
-        """`(b, h, s, d)`, `(b, h, s, d)`, `(b, h, s)` → the same with at most `ctx.target` slots."""
+    def compress(self, keys, values, log_n, ctx: LayerContext) -> KV:
+        """`(b, h, s, d)`, `(b, h, s, d)`, `(b, h, s)` → a `KV` with at most `ctx.target` slots."""
         raise NotImplementedError
 
-    def decode_hook(self):
-        """A callable `(layer, query)` run after each decoding step's attention, or None."""
-        return None
+    def on_decode(self, layer, query: torch.Tensor, state: LayerState) -> None:
+        """Decode-time policy, run after each one-token step's attention in every layer (when
+        `has_decode_policy`): may shrink `layer` (a `MergedLayer`) given the step's query `(b, hq, 1, d)`."""
 
 
-def register(cls: type[Method]) -> type[Method]:
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} has no name")
-    _REGISTRY[cls.name] = cls
-    return cls
+@dataclass
+class ScoringMethod(Method):
+    """An eviction method defined by its scores: the `layer_target(ctx)` highest-scored entries are
+    kept beside sinks and the recent window. Subclasses define `scores` only (and `layer_target` for
+    per-layer budgets)."""
 
+    def scores(self, keys, log_n, ctx: LayerContext) -> torch.Tensor:
+        """`(b, h, s)`: higher is kept first."""
+        raise NotImplementedError
 
-def available_methods() -> list[str]:
-    return sorted(_REGISTRY)
+    def layer_target(self, ctx: LayerContext) -> int:
+        return ctx.target
 
-
-def get_method(name: str, **params) -> Method:
-    """A method instance by registered name, e.g. `get_method("streamingllm", budget=0.25)`."""
-    key = name.lower().replace("-", "").replace("_", "")
-    for registered, cls in _REGISTRY.items():
-        if registered.replace("-", "").replace("_", "") == key:
-            known = {f.name for f in fields(cls) if f.init}
-            unknown = set(params) - known
-            if unknown:
-                raise TypeError(f"{name} has no parameter(s) {', '.join(sorted(unknown))}; it takes "
-                                f"{', '.join(sorted(known))}")
-            return cls(**params)
-    raise ValueError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
-
-
-def split_protected(x: torch.Tensor, sinks: int, window: int, dim: int = 2):
-    """Split along `dim` into (sinks, middle, recent window)."""
-    s = x.shape[dim]
-    head = x.narrow(dim, 0, min(sinks, s))
-    tail_len = min(window, s - head.shape[dim])
-    middle = x.narrow(dim, head.shape[dim], s - head.shape[dim] - tail_len)
-    tail = x.narrow(dim, s - tail_len, tail_len)
-    return head, middle, tail
+    def compress(self, keys, values, log_n, ctx):
+        idx = top_slots(self.scores(keys, log_n, ctx), self.layer_target(ctx), ctx.sinks, ctx.window)
+        return KV(keys, values, log_n).take(idx)

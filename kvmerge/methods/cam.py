@@ -4,9 +4,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.merge import gather_slots
+from ..ops.kv import KV, gather_slots
 from ..ops.scores import received_attention, top_slots
-from .base import Method, register
+from .base import Method
+from .registry import register
 
 
 @register
@@ -30,7 +31,7 @@ class CaM(Method):
         idx = top_slots(scores, ctx.target, ctx.sinks, ctx.window)
         merged = merge_evicted_values(values, scores, idx, self.merge_window, min(ctx.sinks, idx.shape[-1]),
                                       self.sample, self.seed)
-        return gather_slots(keys, idx), merged, gather_slots(log_n, idx)
+        return KV(gather_slots(keys, idx), merged, gather_slots(log_n, idx))
 
 
 def merge_evicted_values(values, scores, idx, m: int, sinks: int = 0, sample: bool = True, seed: int = 0):

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..ops.merge import cosine_sim, gather_slots, weighted_mean
+from ..ops.kv import KV, gather_slots
+from ..ops.merge import cosine_sim, weighted_mean
 from ..ops.scores import received_attention, top_slots
-from .base import Method, register
+from .base import Method, ScoringMethod
+from .h2o import H2O
+from .registry import register
 
 
 @register
@@ -18,7 +21,7 @@ class D2O(Method):
     """Layer level: each layer's budget is proportional to its attention density (inverse variance
     of the attention the entries receive from the last `obs_window` prompt queries), clipped to
     [1/`max_ratio`, `max_ratio`] × budget and renormalised so the total is unchanged.
-    Token level: H2O scores (accumulated attention) pick the kept entries; each evicted token finds
+    Token level: `base`'s scores (H2O's accumulated attention, as in the paper) pick the kept entries; each evicted token finds
     its most similar kept entry (key cosine u) and is merged into it when u ≥ τ, with weights
     exp(u) / (Σ exp(u) + e) and e for the kept entry itself (keys and values). τ is an exponential
     moving average (`ema`) over layers of each layer's mean best similarity. No log-mass, as in the paper.
@@ -27,8 +30,12 @@ class D2O(Method):
     obs_window: int = 32
     max_ratio: float = 2.0
     ema: float = 0.5
+    base: ScoringMethod = field(default_factory=H2O)
     name = "d2o"
-    query_window = -1
+
+    @property
+    def query_window(self) -> int:
+        return -1 if self.base.query_window < 0 else max(self.base.query_window, self.obs_window)
 
     def __post_init__(self):
         super().__post_init__()
@@ -37,10 +44,10 @@ class D2O(Method):
         self._scale: list[float] = []
         self._tau: float | None = None
 
-    def plan(self, layers, ctx):
+    def plan(self, layers, states, ctx):
         density = []
-        for layer in layers:
-            q = layer.queries[:, :, -self.obs_window:]
+        for layer, state in zip(layers, states):
+            q = state.queries[:, :, -self.obs_window:]
             received = received_attention(q, layer.keys, ctx.scaling, layer.full_log_n())  # (b, h, s)
             density.append(1.0 / float(received.var(-1).mean().clamp_min(1e-12)))
         scale = torch.tensor(density) / (sum(density) / len(density))
@@ -53,7 +60,7 @@ class D2O(Method):
         n = keys.shape[2]
         scale = self._scale[ctx.layer_idx] if self._scale else 1.0
         target = min(max(round(ctx.target * scale), min(ctx.sinks + ctx.window, n)), n)
-        scores = received_attention(ctx.queries, keys, ctx.scaling, log_n)
+        scores = self.base.scores(keys, log_n, ctx)
         idx = top_slots(scores, target, ctx.sinks, ctx.window)
         kept = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
         sim = cosine_sim(keys, gather_slots(keys, idx))  # (b, h, s, t)
@@ -67,5 +74,5 @@ class D2O(Method):
         assign = partner.scatter(-1, idx, slot)  # kept entries map to themselves
         weight = torch.where(kept, math.e, torch.where(merge, best.exp(), 0.0))
         t = idx.shape[-1]
-        return (weighted_mean(keys, assign, weight, t), weighted_mean(values, assign, weight, t),
-                gather_slots(log_n, idx))
+        return KV(weighted_mean(keys, assign, weight, t), weighted_mean(values, assign, weight, t),
+                  gather_slots(log_n, idx))

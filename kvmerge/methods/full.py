@@ -2,7 +2,9 @@
 
 from dataclasses import dataclass
 
-from .base import Method, register
+from ..ops.kv import KV
+from .base import Method
+from .registry import register
 
 
 @register
@@ -19,4 +21,4 @@ class Full(Method):
         return n_tokens
 
     def compress(self, keys, values, log_n, ctx):
-        return keys, values, log_n
+        return KV(keys, values, log_n)

@@ -3,8 +3,10 @@
 from dataclasses import dataclass
 
 from ..ops.kmeans import lloyd
-from ..ops.merge import cat_slots, merge_clusters
-from .base import Method, register, split_protected
+from ..ops.kv import KV
+from ..ops.merge import merge_clusters
+from .base import Method
+from .registry import register
 
 
 @register
@@ -18,9 +20,9 @@ class KMeans(Method):
     name = "kmeans"
 
     def compress(self, keys, values, log_n, ctx):
-        head, mid, tail = zip(*(split_protected(x, ctx.sinks, ctx.window) for x in (keys, values, log_n)))
-        k = ctx.target - head[0].shape[2] - tail[0].shape[2]
+        sinks, middle, recent = KV(keys, values, log_n).split(ctx.sinks, ctx.window)
+        k = ctx.target - sinks.slots - recent.slots
         if k <= 0:
-            return cat_slots(head, tail)
-        assign = lloyd(mid[0], mid[2], k, self.iters)
-        return cat_slots(head, merge_clusters(*mid, assign, k), tail)
+            return KV.cat(sinks, recent)
+        assign = lloyd(middle.keys, middle.log_n, k, self.iters)
+        return KV.cat(sinks, merge_clusters(*middle, assign, k), recent)

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from .base import register
+from .registry import register
 from .snapkv import SnapKV
 
 

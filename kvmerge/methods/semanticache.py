@@ -8,7 +8,8 @@ import torch
 
 from ..ops.gsc import STRONG_ANCHOR, chunk_layout, delimiter_table, greedy_seed_clustering
 from ..ops.merge import merge_clusters
-from .base import Method, register
+from .base import Method
+from .registry import register
 
 CHUNKINGS = ("delimiter", "fixed", "none")
 
@@ -23,10 +24,7 @@ class SemantiCache(Method):
     given. Below the floor (anchors + one core per chunk) chunks grow hierarchically: weak delimiters
     `,;:` are merged into chunks, then sentences, then chunks double; `stats["fallback_layers"]` counts it.
     Ablations: `chunking="fixed"` (64-token chunks), `"none"` (one global cluster pass),
-    `proportional=False` (no log-mass bias).
-    Measured on SmolLM2-135M (benchmarks/NOTES.md): loses to eviction, fidelity KL 0.134 vs SnapKV
-    0.017 and kvmerge's `surprisemerge` 0.014 at 25%, no needle found at 50% or 25%
-    (`surprisemerge`: 10 of 10 at 25%).
+    `proportional=False` (no log-mass bias), `shared_heads=True` (one clustering for all KV heads).
     """
 
     tau: float | None = None
@@ -36,7 +34,6 @@ class SemantiCache(Method):
     proportional: bool = True
     search_rounds: int = 3
     search_width: int = 7
-    batch_layers: bool = False  # one GSC pass for all layers: measured slower here (benchmarks/NOTES.md)
     name = "semanticache"
 
     def __post_init__(self):
@@ -46,7 +43,6 @@ class SemantiCache(Method):
         if self.chunk_cap < 1:
             raise ValueError(f"chunk_cap must be >= 1, got {self.chunk_cap}")
         self._table = None
-        self._planned: dict = {}  # layer index → representatives clustered in `plan`
 
     def setup(self, model, tokenizer):
         if self.chunking == "delimiter":
@@ -73,35 +69,22 @@ class SemantiCache(Method):
                 return
             cap *= 2
 
-    def plan(self, layers, ctx):
-        """Cluster every layer at once (layers stacked as heads) when the batch is dense."""
-        self._planned = {}
-        s = layers[0].keys.shape[2]
-        if (not self.batch_layers or not ctx.dense or ctx.target >= s or self.shared_heads
-                or (self.chunking == "delimiter" and ctx.token_ids is None)):
-            return
-        keys = torch.cat([layer.keys for layer in layers], dim=1)
-        reps = self._representatives(keys, ctx, groups=len(layers))
-        self._planned = dict(enumerate(reps.chunk(len(layers), dim=1)))
-
     def compress(self, keys, values, log_n, ctx):
         b, h, s, d = keys.shape
         lo, hi = min(ctx.sinks, s), max(min(ctx.sinks, s), s - ctx.window)
-        rep = self._planned.pop(ctx.layer_idx, None)
-        if rep is None or rep.shape != (b, h, hi - lo):
-            rep = self._representatives(keys, ctx)
+        rep = self._representatives(keys, ctx)
         rep_full = torch.arange(s, device=keys.device).expand(b, h, s).clone()
         rep_full[:, :, lo:hi] = rep + lo
         is_rep = rep_full == torch.arange(s, device=keys.device)
         slot = is_rep.long().cumsum(-1) - 1
         assign = slot.gather(-1, rep_full)
-        k, v, ln = merge_clusters(keys, values, log_n, assign, int(is_rep.sum(-1).max()))
+        merged = merge_clusters(keys, values, log_n, assign, int(is_rep.sum(-1).max()))
         if not self.proportional:
-            ln = torch.where(torch.isfinite(ln), torch.zeros_like(ln), ln)
-        return k, v, ln
+            merged = merged._replace(log_n=torch.where(torch.isfinite(merged.log_n), 0.0, merged.log_n))
+        return merged
 
-    def _representatives(self, keys, ctx, groups: int = 1):
-        """Representative index `(b, h, n)` of each middle token; `groups` layers stacked in h."""
+    def _representatives(self, keys, ctx):
+        """Representative index `(b, h, n)` of each middle token."""
         b, h, s, d = keys.shape
         lo, hi = min(ctx.sinks, s), max(min(ctx.sinks, s), s - ctx.window)
         n = hi - lo
@@ -114,13 +97,13 @@ class SemantiCache(Method):
             kinds = torch.zeros(b, n, dtype=torch.int8, device=keys.device)
         for level, (is_anchor, cap) in enumerate(self._levels(kinds, n)):
             layout = chunk_layout(is_anchor, cap)
-            floor = is_anchor.sum(-1) + torch.bincount(layout[2], minlength=b)
-            if self.tau is not None or bool((floor <= allow).all()):
+            min_entries = is_anchor.sum(-1) + torch.bincount(layout[2], minlength=b)
+            if self.tau is not None or bool((min_entries <= allow).all()):
                 break
-        self.stats["fallback_layers"] += groups * int(level > 0)
-        return self._cluster(keys[:, :, lo:hi], is_anchor, layout, allow, groups)
+        self.stats["fallback_layers"] += int(level > 0)
+        return self._cluster(keys[:, :, lo:hi], is_anchor, layout, allow)
 
-    def _cluster(self, keys, is_anchor, layout, allow, groups=1):
+    def _cluster(self, keys, is_anchor, layout, allow):
         """Representative index `(b, h, n)` of each middle token (itself for anchors and seeds)."""
         b, h, n, d = keys.shape
         chunk_of, offset, row_of_chunk, longest = layout
@@ -166,7 +149,7 @@ class SemantiCache(Method):
                 lo_t = torch.where(best > 0, pick(best), lo_t)
                 hi_t = torch.where(best < self.search_width, pick(best + 1), hi_t)
             tau = torch.where(ok_hi, hi_t, lo_t)
-        self.stats["tau_mean"] += [round(float(t), 4) for t in tau.reshape(b, groups, -1).mean((0, 2))]
+        self.stats["tau_mean"].append(round(float(tau.mean()), 4))
         root = roots(tau).expand(C, h, longest)  # (C, h, L) offsets of seeds
         root_token = slot_token[torch.arange(C)[:, None, None], root]  # (C, h, L)
         rows = row_of_chunk[:, None].expand(C, longest)[valid[:, 0]]

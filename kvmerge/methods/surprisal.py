@@ -3,13 +3,14 @@
 from dataclasses import dataclass
 
 from ..ops.gsc import STRONG_ANCHOR, delimiter_table
-from ..ops.scores import keep_top, sentence_mean
-from .base import Method, register
+from ..ops.scores import sentence_mean
+from .base import ScoringMethod
+from .registry import register
 
 
 @register
 @dataclass
-class Surprisal(Method):
+class Surprisal(ScoringMethod):
     """Every token scores its sentence's mean surprisal, −log p(token | prefix) from the prefill's own
     logits; whole sentences (ended by `. ? !`, newline or a special token) are kept best-first beside
     sinks and the recent window, the rest evicted. The same choice for every layer and head: what the
@@ -29,6 +30,3 @@ class Surprisal(Method):
             raise ValueError("surprisal scores need the prompt's token ids and surprisal (prefill only)")
         is_end = self._table.to(keys.device)[ctx.token_ids] == STRONG_ANCHOR
         return sentence_mean(ctx.surprisal, is_end)[:, None].expand(keys.shape[:3])
-
-    def compress(self, keys, values, log_n, ctx):
-        return keep_top(keys, values, log_n, self.scores(keys, log_n, ctx), ctx.target, ctx.sinks, ctx.window)

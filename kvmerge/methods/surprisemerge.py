@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass
 
-from .base import register
 from .evictmerge import EvictMerge
+from .registry import register
 
 
 @register
@@ -13,9 +13,8 @@ class SurpriseMerge(EvictMerge):
     of highest mean surprisal (`exact`, 25%; kept bit-exact, they absorb nothing) and SnapKV's picks
     (the rest); the share's last sentence is completed from SnapKV's share (`whole`). Every evicted
     entry joins its most key-similar window or SnapKV entry with attention-calibrated weights.
-    Shares and `whole` chosen by measurement (benchmarks/NOTES.md, issue #8): the exact share keeps
-    out-of-place facts (a needle's digits) that similarity merging fuses and attention-scored
-    eviction drops; the attended share and calibrated merging keep fidelity."""
+    The exact share keeps out-of-place facts (a needle's digits) that similarity merging fuses and
+    attention-scored eviction drops; the attended share and calibrated merging keep fidelity."""
 
     recent: float = 0.5
     exact: float = 0.25

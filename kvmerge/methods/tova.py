@@ -2,31 +2,28 @@
 
 from dataclasses import dataclass
 
-from ..ops.scores import attention_probs, evict_rows, keep_top
-from .base import Method, register
+from ..ops.scores import attention_probs, evict_rows
+from .base import ScoringMethod
+from .registry import register
 
 
 @register
 @dataclass
-class TOVA(Method):
+class TOVA(ScoringMethod):
     """Prefill: keep the top entries under the last prompt query's attention (summed over the GQA
     group). Decoding: whenever a row exceeds its budget, evict the entry the current query attends
     to least (one per step)."""
 
     name = "tova"
     query_window = 1
+    has_decode_policy = True
 
     def scores(self, keys, log_n, ctx):
         return attention_probs(ctx.queries[:, :, -1:], keys, ctx.scaling, log_n)[:, :, -1]
 
-    def compress(self, keys, values, log_n, ctx):
-        return keep_top(keys, values, log_n, self.scores(keys, log_n, ctx), ctx.target, ctx.sinks, ctx.window)
-
-    def decode_hook(self):
-        def hook(layer, query):
-            if layer.entries <= int(layer.targets.min()):
-                return
-            log_n = layer.full_log_n()
-            scores = attention_probs(query, layer.keys, query.shape[-1] ** -0.5, log_n)[:, :, -1]
-            layer.select(*evict_rows(log_n, scores, layer.targets, self.sinks, self.window))
-        return hook
+    def on_decode(self, layer, query, state):
+        if layer.entries <= int(state.targets.min()):
+            return
+        log_n = layer.full_log_n()
+        scores = attention_probs(query, layer.keys, query.shape[-1] ** -0.5, log_n)[:, :, -1]
+        layer.select(*evict_rows(log_n, scores, state.targets, self.sinks, self.window))

@@ -7,23 +7,12 @@ from __future__ import annotations
 
 import torch
 
-NEG_INF = float("-inf")
+from .kv import KV, gather_slots
 
 
 def masses(log_n: torch.Tensor) -> torch.Tensor:
     """Token counts from log-mass (integers by construction, so rounded), 0 for empty slots."""
     return log_n.exp().round()
-
-
-def gather_slots(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """x `(b, h, s, ...)`, idx `(b, h, k)` → `(b, h, k, ...)`."""
-    if x.dim() == 3:
-        return x.gather(2, idx)
-    return x.gather(2, idx[..., None].expand(*idx.shape, x.shape[-1]))
-
-
-def take(keys, values, log_n, idx):
-    return gather_slots(keys, idx), gather_slots(values, idx), gather_slots(log_n, idx)
 
 
 def topk_in_order(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -50,12 +39,8 @@ def merge_clusters(keys, values, log_n, assign, num_clusters: int):
     b, h = keys.shape[:2]
     n = masses(log_n)
     count = torch.zeros(b, h, num_clusters, dtype=torch.float32, device=keys.device).scatter_add_(2, assign, n)
-    return weighted_mean(keys, assign, n, num_clusters), weighted_mean(values, assign, n, num_clusters), count.log()
-
-
-def cat_slots(*parts):
-    """Concatenate (keys, values, log_n) triples along the slot axis."""
-    return tuple(torch.cat(xs, dim=2) for xs in zip(*parts))
+    return KV(weighted_mean(keys, assign, n, num_clusters), weighted_mean(values, assign, n, num_clusters),
+              count.log())
 
 
 def cosine_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -65,12 +50,11 @@ def cosine_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b.transpose(-1, -2)
 
 
-def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, merge_keys: bool = True, protect=0,
-                    attention=None):
+def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, protect=0, attention=None):
     """Every slot not in `idx` `(b, h, t)` joins its most key-similar kept slot when their cosine is
     ≥ `floor` (else it is dropped); kept slots in `protect` (the first `protect` if an int, else a
-    `(b, h, t)` bool mask) absorb nothing. Kept slots become
-    degree-weighted means (keys only if `merge_keys`) with log_n = log of their summed mass.
+    `(b, h, t)` bool mask) absorb nothing. Kept slots become degree-weighted means of keys and values
+    with log_n = log of their summed mass (mass is conserved).
 
     With `attention` `(b, h, s)` (observed attention per slot) the merge is attention-calibrated
     instead: keys stay, values are attention-weighted means, and log_n += log(Σ A_cluster / A_kept),
@@ -90,8 +74,7 @@ def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, merge_keys: b
         weight = attention.float().clamp_min(1e-30) * (kept | join)
         total = torch.zeros(b, h, t, dtype=torch.float32, device=keys.device).scatter_add_(2, assign, weight)
         bias = gather_slots(log_n, idx) + (total / gather_slots(weight, idx)).log()
-        return gather_slots(keys, idx), weighted_mean(values, assign, weight, t), bias
+        return KV(gather_slots(keys, idx), weighted_mean(values, assign, weight, t), bias)
     weight = masses(log_n) * (kept | join)
     count = torch.zeros(b, h, t, dtype=torch.float32, device=keys.device).scatter_add_(2, assign, weight)
-    new_keys = weighted_mean(keys, assign, weight, t) if merge_keys else gather_slots(keys, idx)
-    return new_keys, weighted_mean(values, assign, weight, t), count.log()
+    return KV(weighted_mean(keys, assign, weight, t), weighted_mean(values, assign, weight, t), count.log())

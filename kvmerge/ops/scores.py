@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .merge import take, topk_in_order
+from .merge import topk_in_order
 
 
 def attention_probs(queries, keys, scaling: float, log_n=None, chunk: int = 256):
@@ -57,11 +57,6 @@ def fill_protected(scores, sinks: int, window: int, value: float):
     scores[..., :sinks] = value
     scores[..., max(s - window, 0):] = value
     return scores
-
-
-def keep_top(keys, values, log_n, scores, target: int, sinks: int, window: int):
-    """Evict down to `target` entries: sinks and window always kept, the rest by highest score."""
-    return take(keys, values, log_n, top_slots(scores, target, sinks, window))
 
 
 def evict_rows(log_n, scores, targets, sinks: int, window: int):

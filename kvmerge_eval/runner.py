@@ -13,8 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..methods import get_method
-from ..runtime import answer_questions, generate, generate_ids, split_prompt
+from kvmerge import answer_questions, generate, generate_ids, method_from_spec, split_prompt
 from . import code, fidelity, niah, ruler
 
 TASKS = ("niah", "ruler", "fidelity", "code")
@@ -50,7 +49,7 @@ def run(task, model, tok, methods, budgets, lengths, samples, out_dir, protocol=
     done = {_key(r["method"], r["budget"], r) for r in _read(path)}
     data = build_samples(task, tok, lengths, samples, text, subtasks)[:limit]
     for m in methods:
-        parse_method(m, budgets[0])  # unknown names and parameters fail now, not an hour in
+        method_from_spec(m, budgets[0])  # unknown names and parameters fail now, not an hour in
     configs = [(m, b) for m in methods for b in ([1.0] if m == "full" else budgets)]
     (out / f"{task}_config.json").write_text(json.dumps(
         {"task": task, "methods": methods, "budgets": budgets, "lengths": lengths, "samples": samples,
@@ -73,26 +72,12 @@ def _by_context(todo):
     return list(groups.values())
 
 
-def parse_method(spec: str, budget: float):
-    """A method from a spec `name[:param=value...]`, e.g. `evictmerge:floor=0.5:base="h2o"` (values
-    are JSON; a bare word is a string)."""
-    name, *params = spec.split(":")
-    kwargs = {}
-    for p in params:
-        key, _, value = p.partition("=")
-        try:
-            kwargs[key] = json.loads(value)
-        except json.JSONDecodeError:
-            kwargs[key] = value
-    return get_method(name, **kwargs) if name == "full" else get_method(name, budget=budget, **kwargs)
-
-
 _REFERENCE: dict = {}  # (length, seed, text) → full-cache log-probs of a fidelity sample
 
 
 def _run_group(task, model, tok, group, protocol):
     s0, name, budget = group[0]
-    method = parse_method(name, budget)
+    method = method_from_spec(name, budget)
     base = {"method": name, "budget": budget}
     if task == "fidelity":
         ref_key = (s0.meta["length"], s0.meta["seed"], len(s0.answer))

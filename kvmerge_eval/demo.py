@@ -8,9 +8,9 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from .methods import available_methods, get_method
-from .model import load_model
-from .runtime import generate
+from kvmerge import available_methods, generate, get_method, load_model
+
+from .niah import make_sample, score
 
 
 DEFAULT_METHODS = ("full", "semanticache", "centroidkv", "streamingllm", "snapkv", "surprisemerge")
@@ -18,8 +18,6 @@ DEFAULT_METHODS = ("full", "semanticache", "centroidkv", "streamingllm", "snapkv
 
 def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int = 2048, samples: int = 3,
              model_path: str | None = None) -> list[dict]:
-    from .eval.niah import make_sample, score
-
     console = Console(width=max(Console().width, 100))
     console.print(f"Loading model {model_path or 'SmolLM2-135M-Instruct (bundled)'} ...")
     model, tok = load_model(model_path)

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from ..runtime import Session
+from kvmerge import Session
 from .corpus import prose
 from .niah import Sample
 
@@ -32,12 +32,10 @@ def continuation_logits(model, context: list[int], continuation: list[int], meth
                         tokenizer=None) -> torch.Tensor:
     """Log-probabilities `(M, vocab)` for each continuation token, the context compressed by `method`
     (None: full cache). With a decode hook the continuation is fed one token at a time."""
-    s = Session(model, 1)
-    if method is not None:
-        method.setup(model, tokenizer)
-    first = s.prefill([context], method)
+    s = Session(model, 1, method, tokenizer)
+    first = s.prefill([context])
     rest = continuation[:-1]
-    if method is not None and method.decode_hook() is not None:
+    if method is not None and method.has_decode_policy:
         steps = [s.forward([[t]]) for t in rest]
     else:
         steps = [s.forward([rest], all_logits=True)[0]] if rest else []

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from ..cache import bytes_per_token
-from ..runtime import Session
+from kvmerge import Session, method_from_spec
+from kvmerge.attention import biased_sdpa
+from kvmerge.cache import bytes_per_token
 from . import fidelity
-from .runner import parse_method
 
 
 def bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
@@ -55,25 +55,15 @@ def _rss() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def _prefilled(model, ids, spec, budget, tokenizer=None):
-    """A batch-1 session with `ids` prefilled and compressed by `spec` (None: full cache)."""
-    method = None if spec == "full" else parse_method(spec, budget)
-    s = Session(model, 1)
-    if method is not None:
-        method.setup(model, tokenizer)
-    with PeakRSS() as mem:
-        s.prefill([ids], method)
-    return s, {"prefill_s": s.timings["prefill_seconds"], "compress_s": s.timings["compress_seconds"],
+def prefilled(model, ids, spec, budget, tokenizer=None):
+    """A batch-1 session with `ids` prefilled and compressed by `spec` (`"full"`: nothing compressed),
+    and its timings with the peak resident memory above the level before it."""
+    method = None if spec == "full" else method_from_spec(spec, budget)
+    s = Session(model, 1, method, tokenizer)
+    with torch.inference_mode(), PeakRSS() as mem:
+        s.prefill([ids])
+    return s, {"prefill_s": s.timings["prefill_seconds"], "compress_s": s.timings.get("compress_seconds", 0.0),
                "peak_extra_bytes": mem.extra}
-
-
-def _widen(session, batch):
-    """The batch-1 session's cache repeated to `batch` rows (the decode cost depends on sizes only)."""
-    for layer in session.cache.layers:
-        layer.batch_repeat_interleave(batch)
-        if layer.targets is not None:
-            layer.targets = layer.targets.repeat_interleave(batch)
-    session.seen = session.seen.repeat_interleave(batch)
 
 
 def decode_seconds(session, batch, steps, warmup=2) -> float:
@@ -102,12 +92,12 @@ def run_bench(model, methods, budget, lengths, batches, steps, out_dir, tokenize
             ids = fidelity.make_sample(tokenizer, n, seed=n, continuation=0).context
         else:
             ids = torch.randint(3, vocab, (n,), generator=g).tolist()
-        prepared = {spec: _prefilled(model, ids, spec, budget, tokenizer) for spec in ["full"] + list(methods)}
+        prepared = {spec: prefilled(model, ids, spec, budget, tokenizer) for spec in ["full"] + list(methods)}
         for batch in batches:
             full_s = None
             for spec, (session, info) in prepared.items():
                 snap = session.snapshot()
-                _widen(session, batch)
+                session.repeat_rows(batch)
                 cache_bytes = session.cache.nbytes
                 sec = decode_seconds(session, batch, steps)
                 session.restore(snap)
@@ -132,19 +122,33 @@ def run_bench(model, methods, budget, lengths, batches, steps, out_dir, tokenize
 
 
 def bias_overhead(model, length: int, batch: int, steps: int) -> dict:
-    """Decode ms/step with the same full cache: stock SDPA (no log_n) vs biased SDPA (log_n = 0)."""
+    """One decode step's attention over a full-size cache, every layer's shapes: stock SDPA (GQA by
+    repeating K/V) vs kvmerge's biased SDPA with log_n = 0 (query heads packed), ms per step."""
+    cfg = model.config.get_text_config(decoder=True)
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    dtype = next(model.parameters()).dtype
+    q = torch.randn(batch, hq, 1, d, dtype=dtype)
+    k, v = (torch.randn(batch, hkv, length, d, dtype=dtype) for _ in range(2))
+    log_n = torch.zeros(batch, hkv, length)
+
+    def stock():
+        rep = hq // hkv
+        return torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
+                                                                v.repeat_interleave(rep, 1))
+
+    def timed(fn):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            for _layer in range(cfg.num_hidden_layers):
+                fn()
+        return (time.perf_counter() - t0) / steps
+
     with torch.inference_mode():
-        s, _ = _prefilled(model, [3 + i % 90 for i in range(length)], "full", 1.0)
-        _widen(s, batch)
-        stock = decode_seconds(s, batch, steps)
-        for layer in s.cache.layers:
-            layer.log_n = torch.zeros(layer.keys.shape[:3])
-        biased = decode_seconds(s, batch, steps)
-        for layer in s.cache.layers:
-            layer.log_n = None
-        again = decode_seconds(s, batch, steps)
-    return {"length": length, "batch": batch, "stock_ms": 1e3 * (stock + again) / 2, "biased_ms": 1e3 * biased,
-            "overhead": biased / ((stock + again) / 2) - 1}
+        a, b, c = timed(stock), timed(lambda: biased_sdpa(q, k, v, log_n)), timed(stock)
+    return {"length": length, "batch": batch, "stock_ms": 1e3 * (a + c) / 2, "biased_ms": 1e3 * b,
+            "overhead": b / ((a + c) / 2) - 1}
 
 
 def _plot(rows, out):

@@ -1,0 +1,182 @@
+"""One request's runtime: a model, a `MergedCache`, the method and its per-layer state, fed
+left-padded rows at true positions.
+
+Padding tokens get log_n = -inf, so they receive exactly zero attention, and every row keeps its own
+true positions. The method's hooks run from here: queries are captured during `prefill`, `compress`
+runs the method on every layer, and its decode policy runs after each one-token step's attention
+(through the cache's `listener`, so it also runs under `model.generate`).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from .attention import kvmerge_attention
+from .cache import MergedCache
+from .methods import LayerContext, LayerState, Method
+from .model import check_supported, token_surprisal
+
+
+class Session:
+    def __init__(self, model, batch_size: int, method: Method | None = None, tokenizer=None):
+        check_supported(model)
+        self.model, self.method = model, method
+        n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        self.cache = MergedCache(n_layers)
+        self.cache.listener = self._listen
+        self.states = [LayerState() for _ in range(n_layers)]
+        self.seen = torch.zeros(batch_size, dtype=torch.long)
+        self.timings: dict = {}
+        self._capture = 0  # queries kept per layer during this forward (-1: all)
+        self._decoding = False
+        if method is not None:
+            method.setup(model, tokenizer)
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    # -- feeding tokens ----------------------------------------------------------------------
+    def forward(self, rows: list[list[int]], decoding: bool = True, all_logits: bool = False,
+                capture: int = 0) -> torch.Tensor:
+        """Feed one chunk per row; returns next-token logits `(batch, vocab)` at each row's last token
+        (`all_logits`: `(batch, width, vocab)` at every position, left-padded rows included).
+        The decode policy runs on one-token chunks when `decoding` (not for a one-token question);
+        `capture`: keep the last `capture` queries of each layer in `states[i].queries` (-1: all)."""
+        return self._feed(rows, decoding, all_logits, capture)[0]
+
+    def _feed(self, rows, decoding=True, all_logits=False, capture=0, hidden=False):
+        """→ (logits, final hidden states `(b, width, d)` if `hidden`, ids `(b, width)`, padding mask)."""
+        lengths = torch.tensor([len(r) for r in rows])
+        width = int(lengths.max())
+        pad = torch.arange(width)[None, :] < (width - lengths)[:, None]
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        pos = self.seen[:, None] + (torch.arange(width)[None, :] - (width - lengths)[:, None]).clamp_min(0)
+        self.cache.next_log_n = (torch.zeros(pad.shape).masked_fill_(pad, float("-inf")).to(self.device)
+                                 if bool(pad.any()) else None)
+        self._capture, self._decoding = capture, decoding
+        states = []
+        hook = (self.model.get_decoder().register_forward_hook(lambda _m, _a, o: states.append(o[0]))
+                if hidden else None)
+        try:
+            with kvmerge_attention(self.model):
+                out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), cache=self.cache,
+                                 use_cache=True, logits_to_keep=0 if all_logits else 1)
+        finally:
+            self.cache.next_log_n, self._capture = None, 0
+            if hook is not None:
+                hook.remove()
+        self.seen += lengths
+        logits = out.logits.float() if all_logits else out.logits[:, -1].float()
+        return logits, states[0] if hidden else None, ids, pad
+
+    def _listen(self, layer_idx: int, query: torch.Tensor) -> None:
+        """Called by kvmerge's attention after each layer's attention (see `MergedCache.listener`)."""
+        state = self.states[layer_idx]
+        if self._capture:
+            q = query if state.queries is None else torch.cat([state.queries, query], dim=2)
+            state.queries = q if self._capture < 0 else q[:, :, -self._capture:]
+        elif (self._decoding and query.shape[2] == 1 and state.targets is not None
+              and self.method is not None and self.method.has_decode_policy):
+            self.method.on_decode(self.cache.layers[layer_idx], query, state)
+
+    # -- prefill and compression ------------------------------------------------------------
+    def prefill(self, rows: list[list[int]], window: int | None = None) -> torch.Tensor:
+        """Feed the prompts, then compress them with the session's method (None: the cache stays
+        full); returns the last-token logits `(batch, vocab)`. Seconds go to `self.timings` (a
+        method's surprisal pass counts as compression, not prefill)."""
+        method = self.method
+        t0 = time.perf_counter()
+        capture = 0 if method is None else method.query_window
+        if method is not None and method.needs_surprisal:
+            logits, hidden, ids, pad = self._feed(rows, capture=capture, hidden=True)
+            t1 = time.perf_counter()
+            surprisal = self._surprisal(hidden, ids, pad)
+        else:
+            logits, surprisal = self.forward(rows, capture=capture), None
+            t1 = time.perf_counter()
+        if method is not None:
+            self.compress(rows, window, surprisal)
+        self.timings = {"prefill_seconds": t1 - t0, "compress_seconds": time.perf_counter() - t1}
+        return logits
+
+    def forward_surprisal(self, rows: list[list[int]]) -> torch.Tensor:
+        """Feed the rows like `forward`; returns each fed token's surprisal `(batch, width)`, −log p
+        given the tokens before it in this chunk (0 at a row's first token and on padding)."""
+        _, hidden, ids, pad = self._feed(rows, hidden=True)
+        return self._surprisal(hidden, ids, pad)
+
+    def _surprisal(self, hidden, ids, pad):
+        surprisal = token_surprisal(self.model, hidden, ids)
+        return surprisal.masked_fill(pad | torch.nn.functional.pad(pad, (1, 0), value=True)[:, :-1], 0.0)
+
+    def compress(self, token_rows: list[list[int]] | None = None, window: int | None = None,
+                 surprisal: torch.Tensor | None = None) -> None:
+        """Compress every layer with the session's method (at most `method.target(n)` entries per row
+        and head; padding slots are stripped per row first). `surprisal` `(batch, width)`, left-padded
+        like the rows, reaches methods as `ctx.surprisal`; captured queries are released afterwards."""
+        method = self.method
+        window = method.window if window is None else window
+        config = self.model.config.get_text_config(decoder=True)
+        scaling = (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads) ** -0.5
+        layers = self.cache.layers
+        first = layers[0]
+        n = first.entries
+        dense = first.log_n is None  # no padding: every row has the same tokens
+        method.plan(layers, self.states, LayerContext(
+            layer_idx=-1, num_layers=len(layers), target=method.target(n, window), sinks=method.sinks,
+            window=window, scaling=scaling, rows=torch.arange(first.keys.shape[0]),
+            token_ids=None if token_rows is None or not dense else torch.tensor([r[-n:] for r in token_rows]),
+            surprisal=None if surprisal is None or not dense else surprisal[:, -n:]))
+        for i, (layer, state) in enumerate(zip(layers, self.states)):
+            state.targets = torch.zeros(layer.keys.shape[0], dtype=torch.long)
+
+            def run(kv, rows, i=i, state=state):
+                n = kv.slots
+                queries = None
+                if state.queries is not None:
+                    q = state.queries[rows]
+                    queries = q[:, :, -n:] if method.query_window < 0 else q[:, :, -min(n, q.shape[2]):]
+                ctx = LayerContext(
+                    layer_idx=i, num_layers=len(layers), target=method.target(n, window), sinks=method.sinks,
+                    window=window, scaling=scaling, queries=queries, rows=rows, state=state,
+                    token_ids=None if token_rows is None else torch.tensor([token_rows[int(b)][-n:] for b in rows],
+                                                                           device=kv.keys.device),
+                    surprisal=None if surprisal is None else surprisal[rows][:, -n:].to(kv.keys.device))
+                state.targets[rows] = ctx.target
+                return kv if ctx.target >= n else method.compress(*kv, ctx)
+
+            layer.map_rows(run)
+            state.queries = None
+            state.compressed_at = layer.seen
+
+    # -- batch and state ----------------------------------------------------------------------
+    def snapshot(self):
+        """The cache and request state (cache tensors are never modified in place, so references suffice)."""
+        layers = [(layer.keys, layer.values, layer.log_n, layer.seen) for layer in self.cache.layers]
+        states = [copy.copy(s) for s in self.states]
+        for s in states:
+            s.scratch = dict(s.scratch)
+        return self.seen.clone(), layers, states
+
+    def restore(self, snapshot) -> None:
+        seen, layers, states = snapshot
+        self.seen = seen.clone()
+        for layer, (k, v, ln, n) in zip(self.cache.layers, layers):
+            layer.keys, layer.values, layer.log_n, layer.seen = k, v, ln, n
+        self.states = [copy.copy(s) for s in states]
+        for s in self.states:
+            s.scratch = dict(s.scratch)
+
+    def repeat_rows(self, repeats: int) -> None:
+        """Every row repeated `repeats` times (cache, positions and targets)."""
+        self.cache.batch_repeat_interleave(repeats)
+        for state in self.states:
+            if state.targets is not None:
+                state.targets = state.targets.repeat_interleave(repeats)
+        self.seen = self.seen.repeat_interleave(repeats)
