@@ -1,8 +1,14 @@
-"""Compression methods, one per file; importing this package registers them all."""
+"""Compression methods, one per file: importing this package imports (and so registers) every module
+in it, so a new method is one new file."""
 
-from . import cam, centroidkv, d2o, evictmerge, full, h2o, kmeans, pyramidkv, semanticache, snapkv, streamingllm, surprisal, surprisemerge, tova  # noqa: F401
+import importlib
+import pkgutil
+
 from .base import LayerContext, LayerState, Method, ScoringMethod
 from .registry import available_methods, get_method, method_from_spec, register
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["LayerContext", "LayerState", "Method", "ScoringMethod", "available_methods", "get_method",
            "method_from_spec", "register"]
