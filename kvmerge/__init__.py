@@ -7,6 +7,7 @@
 
 from .attention import kvmerge_attention
 from .cache import MergedCache, MergedLayer
+from .compressing import Compressor, compressing
 from .generate import GenerationOutput, answer_questions, generate, generate_ids, split_prompt
 from .methods import (LayerContext, LayerState, Method, ScoringMethod, available_methods, get_method,
                       method_from_spec, register)
@@ -15,8 +16,8 @@ from .ops.kv import KV
 from .session import Session
 
 __all__ = [
-    "KV", "GenerationOutput", "LayerContext", "LayerState", "MergedCache", "MergedLayer", "Method", "ScoringMethod",
-    "Session", "answer_questions", "available_methods", "check_supported", "generate", "generate_ids", "get_method",
+    "KV", "Compressor", "GenerationOutput", "LayerContext", "LayerState", "MergedCache", "MergedLayer", "Method", "ScoringMethod",
+    "Session", "answer_questions", "available_methods", "check_supported", "compressing", "generate", "generate_ids", "get_method",
     "kvmerge_attention", "load_model", "method_from_spec", "register", "split_prompt",
 ]
 __version__ = "0.2.0"

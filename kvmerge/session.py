@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -59,21 +60,30 @@ class Session:
         pos = self.seen[:, None] + (torch.arange(width)[None, :] - (width - lengths)[:, None]).clamp_min(0)
         self.cache.next_log_n = (torch.zeros(pad.shape).masked_fill_(pad, float("-inf")).to(self.device)
                                  if bool(pad.any()) else None)
-        self._capture, self._decoding = capture, decoding
-        states = []
-        hook = (self.model.get_decoder().register_forward_hook(lambda _m, _a, o: states.append(o[0]))
-                if hidden else None)
         try:
-            with kvmerge_attention(self.model):
+            with self.observing(capture, decoding, hidden) as states, kvmerge_attention(self.model):
                 out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), cache=self.cache,
                                  use_cache=True, logits_to_keep=0 if all_logits else 1)
         finally:
-            self.cache.next_log_n, self._capture = None, 0
-            if hook is not None:
-                hook.remove()
+            self.cache.next_log_n = None
         self.seen += lengths
         logits = out.logits.float() if all_logits else out.logits[:, -1].float()
         return logits, states[0] if hidden else None, ids, pad
+
+    @contextmanager
+    def observing(self, capture: int = 0, decoding: bool = True, hidden: bool = False):
+        """During one forward: keep the last `capture` queries per layer (-1: all), run the decode policy
+        on one-token steps if `decoding`, and collect the final hidden states into the yielded list."""
+        states: list = []
+        self._capture, self._decoding = capture, decoding
+        hook = (self.model.get_decoder().register_forward_hook(lambda _m, _a, o: states.append(o[0]))
+                if hidden else None)
+        try:
+            yield states
+        finally:
+            self._capture, self._decoding = 0, False
+            if hook is not None:
+                hook.remove()
 
     def _listen(self, layer_idx: int, query: torch.Tensor) -> None:
         """Called by kvmerge's attention after each layer's attention (see `MergedCache.listener`)."""
@@ -96,7 +106,7 @@ class Session:
         if method is not None and method.needs_surprisal:
             logits, hidden, ids, pad = self._feed(rows, capture=capture, hidden=True)
             t1 = time.perf_counter()
-            surprisal = self._surprisal(hidden, ids, pad)
+            surprisal = self.surprisal_of(hidden, ids, pad)
         else:
             logits, surprisal = self.forward(rows, capture=capture), None
             t1 = time.perf_counter()
@@ -109,9 +119,9 @@ class Session:
         """Feed the rows like `forward`; returns each fed token's surprisal `(batch, width)`, −log p
         given the tokens before it in this chunk (0 at a row's first token and on padding)."""
         _, hidden, ids, pad = self._feed(rows, hidden=True)
-        return self._surprisal(hidden, ids, pad)
+        return self.surprisal_of(hidden, ids, pad)
 
-    def _surprisal(self, hidden, ids, pad):
+    def surprisal_of(self, hidden, ids, pad):
         surprisal = token_surprisal(self.model, hidden, ids)
         return surprisal.masked_fill(pad | torch.nn.functional.pad(pad, (1, 0), value=True)[:, :-1], 0.0)
 

@@ -1,0 +1,106 @@
+"""Compression inside `model.generate` (sampling, streamers, stopping criteria: all of generate):
+
+    with kvmerge.compressing(model, "snapkv", budget=0.25, tokenizer=tok) as kv:
+        cache = kv.prefill(context_ids)              # question-agnostic: compress the context once
+        out = model.generate(torch.tensor([context_ids + question_ids]), cache=cache, do_sample=True)
+        out = model.generate(prompt, do_sample=True)  # question-aware: compressed right after its prefill
+
+Inside the block the model runs kvmerge's attention, and a forward that starts on an empty
+non-kvmerge cache (what `generate` creates) gets a fresh compressed session instead; decode
+policies run on every one-token step. The model is as before once the block ends.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+
+import torch
+
+from .attention import kvmerge_attention
+from .cache import MergedCache
+from .methods import Method, get_method
+from .session import Session
+
+
+class Compressor:
+    """Sessions for the caches `model.generate` runs on inside `compressing`."""
+
+    def __init__(self, model, method: Method, tokenizer=None):
+        self.model, self.method, self.tokenizer = model, method, tokenizer
+        self._sessions: dict[int, Session] = {}  # id(cache) → its session
+        self._fed: set[int] = set()  # caches that have seen a forward under generate
+        self._pending = None  # (session, input ids) of a question-aware prefill in flight
+        self._stack: ExitStack | None = None
+
+    @torch.no_grad()
+    def prefill(self, context_ids) -> MergedCache:
+        """Prefill and compress `context_ids` (one row or equal-length rows); pass the cache to
+        `model.generate(input_ids=context + question, cache=...)`."""
+        rows = context_ids.tolist() if isinstance(context_ids, torch.Tensor) else context_ids
+        rows = [list(r) for r in rows] if rows and isinstance(rows[0], (list, tuple)) else [list(rows)]
+        if len({len(r) for r in rows}) != 1 or not rows[0]:
+            raise ValueError("kv.prefill takes non-empty rows of one length: model.generate cannot run a padded "
+                             "batch on a kvmerge cache (use kvmerge.generate for rows of different lengths)")
+        session = Session(self.model, len(rows), self.method, self.tokenizer)
+        session.prefill(rows)
+        self._sessions[id(session.cache)] = session
+        return session.cache
+
+    def before_forward(self, _module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        kwargs.pop("past_key_values", None)
+        if isinstance(cache, MergedCache) and id(cache) in self._sessions:
+            session = self._sessions[id(cache)]
+            decoding = id(cache) in self._fed  # the first forward feeds the question
+            self._fed.add(id(cache))
+            self._stack = ExitStack()
+            self._stack.enter_context(session.observing(decoding=decoding))
+        elif not isinstance(cache, MergedCache) and (cache is None or cache.get_seq_length() == 0):
+            if ids is None:
+                raise ValueError("kvmerge compresses prompts given as input_ids, not inputs_embeds")
+            session = Session(self.model, ids.shape[0], self.method, self.tokenizer)
+            self._sessions[id(session.cache)] = session
+            self._fed.add(id(session.cache))
+            self._stack = ExitStack()
+            hidden = self._stack.enter_context(session.observing(capture=self.method.query_window,
+                                                                 hidden=self.method.needs_surprisal))
+            self._pending = (session, ids, hidden)
+            cache = session.cache
+        kwargs["cache"] = cache
+        return args, kwargs
+
+    def after_forward(self, _module, _args, _kwargs, output):
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+        if self._pending is not None:
+            session, ids, hidden = self._pending
+            self._pending = None
+            session.seen += ids.shape[1]
+            surprisal = None
+            if self.method.needs_surprisal:
+                surprisal = session.surprisal_of(hidden[0], ids.cpu(), torch.zeros(ids.shape, dtype=torch.bool))
+            session.method.target(ids.shape[1])  # a clear error if the prompt cannot meet the budget
+            session.compress(ids.tolist(), surprisal=surprisal)
+        return output
+
+
+@contextmanager
+def compressing(model, method: Method | str, tokenizer=None, **params):
+    """Compress the caches of `model.generate` (and plain forwards) inside the block; yields the
+    `Compressor` (its `prefill` compresses a context for the question-agnostic recipe). `method` is a
+    `Method` or a name with `params` (`compressing(model, "snapkv", budget=0.25)`)."""
+    if isinstance(method, str):
+        method = get_method(method, **params)
+    elif params:
+        raise TypeError("parameters go with a method name, not with a Method object")
+    compressor = Compressor(model, method, tokenizer)
+    with kvmerge_attention(model):
+        pre = model.register_forward_pre_hook(compressor.before_forward, with_kwargs=True)
+        post = model.register_forward_hook(compressor.after_forward, with_kwargs=True, always_call=True)
+        try:
+            yield compressor
+        finally:
+            pre.remove()
+            post.remove()

@@ -1,0 +1,88 @@
+"""Compression under `model.generate`, and no side effects outside kvmerge's own scopes."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+import kvmerge
+
+from .conftest import TinyTokenizer, random_ids, tiny_model
+
+METHODS = {
+    "snapkv": dict(budget=0.25, window=8),
+    "centroidkv": dict(budget=0.25, window=8, interval=4),  # re-clusters every 4 decoding steps
+    "surprisemerge": dict(budget=0.25, window=8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_model_generate_on_a_compressed_context_equals_kvmerge_generate(name):
+    model, tok = tiny_model(), TinyTokenizer()
+    ctx, q = random_ids(160, seed=1), random_ids(6, seed=2)
+    want = kvmerge.generate_ids(model, ctx, q, kvmerge.get_method(name, **METHODS[name]), max_new_tokens=16,
+                                tokenizer=tok)
+    with kvmerge.compressing(model, name, tokenizer=tok, **METHODS[name]) as kv:
+        cache = kv.prefill(ctx)
+        assert cache.entries == want.stats["cache_entries"]
+        got = model.generate(torch.tensor([ctx + q]), cache=cache, max_new_tokens=16, do_sample=False)
+    assert got[0, len(ctx + q):].tolist() == want.tokens[0]
+    if name == "centroidkv":  # the decode policy ran: the cache stayed within target + interval
+        assert max(cache.entries) <= kvmerge.get_method(name, **METHODS[name]).target(160) + 4
+
+
+def test_question_aware_generate_compresses_right_after_the_prompt():
+    model = tiny_model()
+    prompt = random_ids(150, seed=3)
+    m = dict(budget=0.25, window=8)
+    want = kvmerge.generate_ids(model, prompt[:-5], prompt[-5:], kvmerge.get_method("snapkv", **m),
+                                max_new_tokens=10, protocol="aware")
+    with kvmerge.compressing(model, "snapkv", **m):
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                             return_dict_in_generate=True)
+    assert out.sequences[0, 150:].tolist() == want.tokens[0]
+    assert isinstance(out.cache, kvmerge.MergedCache) and out.cache.layers[0].entries == 38 + 9
+
+
+def test_sampling_and_streaming_run_on_the_compressed_cache_and_the_model_is_restored():
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.seen = []
+
+        def put(self, value):
+            self.seen.append(value.tolist())
+
+        def end(self):
+            self.seen.append("end")
+
+    model = tiny_model()
+    ctx = random_ids(120, seed=4)
+    streamer = Collect()
+    with kvmerge.compressing(model, "streamingllm", budget=0.25, window=8) as kv:
+        cache = kv.prefill(ctx)
+        torch.manual_seed(0)
+        out = model.generate(torch.tensor([ctx + [5, 6]]), cache=cache, max_new_tokens=8, do_sample=True,
+                             temperature=0.7, top_k=20, top_p=0.9, streamer=streamer)
+    assert out.shape[1] == 122 + 8 and streamer.seen[-1] == "end" and len(streamer.seen) == 1 + 8 + 1
+    assert model.config._attn_implementation == "sdpa"
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    with pytest.raises(ValueError, match="one length"):
+        with kvmerge.compressing(model, "snapkv") as kv:
+            kv.prefill([ctx, ctx[:50]])
+
+
+def test_import_leaves_the_environment_and_transformers_alone():
+    code = ("import os, transformers; before = dict(os.environ); "
+            "from transformers import AttentionInterface; names = set(AttentionInterface._global_mapping); "
+            "import kvmerge; assert dict(os.environ) == before, 'environment changed'; "
+            "assert set(AttentionInterface._global_mapping) == names, 'attention registry changed'")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_python_dash_m_runs_the_cli():
+    out = subprocess.run([sys.executable, "-m", "kvmerge", "methods"], check=True, capture_output=True, text=True)
+    assert "centroidkv" in out.stdout.split()
