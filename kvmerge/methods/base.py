@@ -17,12 +17,13 @@ from ..ops.scores import top_slots
 class LayerState:
     """What the runtime keeps for one layer during one request, beside the cache: the captured
     post-RoPE queries `(batch, heads, n, head_dim)`, each row's compression target `(batch,)`, the
-    tokens seen when it was compressed, and `scratch`, a decode policy's own state (e.g. H2O's
-    accumulated scores)."""
+    tokens seen when it was compressed, the model's attention scaling, and `scratch`, a decode
+    policy's own state (e.g. H2O's accumulated scores)."""
 
     queries: torch.Tensor | None = None
     targets: torch.Tensor | None = None
     compressed_at: int = 0
+    scaling: float = 1.0
     scratch: dict = field(default_factory=dict)
 
 

@@ -46,7 +46,7 @@ class H2O(ScoringMethod):
         acc = state.scratch.get("scores")
         acc = self._from_prefill(layer, state) if acc is None else acc
         acc = F.pad(acc, (0, layer.entries - acc.shape[-1]))
-        acc = acc + attention_probs(query, layer.keys, query.shape[-1] ** -0.5, log_n)[:, :, -1]
+        acc = acc + attention_probs(query, layer.keys, state.scaling, log_n)[:, :, -1]
         idx, empty = evict_rows(log_n, acc, state.targets, self.sinks, self.window)
         layer.select(idx, empty)
         state.scratch["scores"] = acc.gather(-1, idx)

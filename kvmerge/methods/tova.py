@@ -25,5 +25,5 @@ class TOVA(ScoringMethod):
         if layer.entries <= int(state.targets.min()):
             return
         log_n = layer.full_log_n()
-        scores = attention_probs(query, layer.keys, query.shape[-1] ** -0.5, log_n)[:, :, -1]
+        scores = attention_probs(query, layer.keys, state.scaling, log_n)[:, :, -1]
         layer.select(*evict_rows(log_n, scores, state.targets, self.sinks, self.window))
