@@ -1,6 +1,6 @@
-"""Command line: `kvmerge demo | eval | report | bench | methods` (also `python -m kvmerge`).
+"""Command line: `kvmerge generate | demo | eval | report | bench | methods` (also `python -m kvmerge`).
 
-Everything but `methods` runs the evaluation package `kvmerge_eval` (`pip install kvmerge[eval]`).
+Everything but `generate` and `methods` runs the evaluation package `kvmerge_eval` (`pip install kvmerge[eval]`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,20 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("methods", help="list the available methods")
 
+    gen = sub.add_parser("generate", help="answer a question about a text file, streaming the answer")
+    gen.add_argument("--context", required=True, help="UTF-8 text file with the context (- reads stdin)")
+    gen.add_argument("--question", required=True)
+    gen.add_argument("--method", default="surprisemerge", help="a method spec, e.g. snapkv:kernel=5 (full: none)")
+    gen.add_argument("--budget", type=float, default=0.25)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", type=_csv(str), default=None, help="comma-separated stop strings")
+    gen.add_argument("--model", default=None, help="local folder, .gguf or model id (default: bundled SmolLM2)")
+    gen.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+
     ev = sub.add_parser("eval", help="accuracy / fidelity per method and budget on a task")
     ev.add_argument("--task", choices=["niah", "ruler", "fidelity", "code"], default="niah")
     ev.add_argument("--methods", type=_csv(str), default=["full", "streamingllm", "snapkv", "semanticache",
@@ -71,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         from .methods import available_methods
 
         print("\n".join(available_methods()))
+    elif args.command == "generate":
+        _generate(args)
     elif args.command == "demo":
         _eval("demo").run_demo(args.methods, args.budget, args.length, args.samples, args.model)
     elif args.command == "eval":
@@ -98,6 +114,25 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "report":
         print(_eval("report").report(args.folder, plots=not args.no_plots, methods=args.methods, plot_dir=args.plots_to))
     return 0
+
+
+def _generate(args) -> None:
+    from transformers import TextStreamer
+
+    from .generate import generate
+    from .methods import method_from_spec
+    from .model import load_model
+
+    text = sys.stdin.read() if args.context == "-" else open(args.context, encoding="utf-8").read()
+    model, tok = load_model(args.model, device=args.device)
+    method = method_from_spec(args.method, args.budget)
+    out = generate(model, tok, text, args.question, method, args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                   streamer=TextStreamer(tok, skip_special_tokens=True))
+    st = out.stats
+    print(f"[{st['method']}: {st['context_tokens']} context tokens, cache {st['cache_bytes'] / 2**20:.1f} MiB of "
+          f"{st['full_cache_bytes'] / 2**20:.1f} MiB, prefill {st['prefill_seconds']:.1f} s, "
+          f"compress {st['compress_seconds']:.1f} s]", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -29,18 +29,56 @@ class GenerationOutput:
     stats: dict = field(default_factory=dict)
 
 
+@dataclass
+class Sampling:
+    """How the next token is chosen: greedy when `temperature` is 0, else sampled after temperature,
+    top-k (0: off) and nucleus top-p filtering, from a generator seeded with `seed`."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got {self}")
+
+    def chooser(self):
+        """A function logits `(batch, vocab)` → next token ids `(batch,)`."""
+        if self.temperature == 0:
+            return lambda logits: logits.argmax(-1)
+        from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                            TopKLogitsWarper, TopPLogitsWarper)
+
+        warpers = LogitsProcessorList([TemperatureLogitsWarper(self.temperature)]
+                                      + ([TopKLogitsWarper(self.top_k)] if self.top_k else [])
+                                      + ([TopPLogitsWarper(self.top_p)] if self.top_p < 1 else []))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed if self.seed is not None else torch.seed())
+
+        def choose(logits):
+            probs = warpers(None, logits.float().cpu()).softmax(-1)
+            return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
+        return choose
+
+
 @torch.inference_mode()
 def generate_ids(model, context_ids, question_ids, method: Method | None = None, max_new_tokens: int = 32,
-                 protocol: str = "agnostic", eos_token_id: int | None = None, tokenizer=None) -> GenerationOutput:
-    """Greedy generation from token ids (one row, or a list of rows run as one padded batch)."""
+                 protocol: str = "agnostic", eos_token_id: int | None = None, tokenizer=None,
+                 sampling: Sampling | None = None, streamer=None, stop=None) -> GenerationOutput:
+    """Generation from token ids (one row, or a list of rows run as one padded batch); greedy unless
+    `sampling` says otherwise. `streamer` (a transformers streamer: `put`, `end`) receives each new
+    token of a single row; `stop(row_tokens) -> bool` ends a row early."""
     method = method or get_method("full")
     contexts, questions, window = _validate(model, context_ids, question_ids, protocol, max_new_tokens, method)
+    if streamer is not None and len(contexts) > 1:
+        raise ValueError("a streamer takes a single row")
     session = Session(model, len(contexts), method, tokenizer)
     logits = session.prefill(contexts, window)
     stats = _cache_stats(session, contexts, protocol)
     if protocol == "agnostic":
         logits = session.forward(questions, decoding=False)
-    return _decode(session, logits, stats, max_new_tokens, eos_token_id)
+    return _decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop)
 
 
 @torch.inference_mode()
@@ -63,8 +101,13 @@ def answer_questions(model, context_ids: list[int], questions: list[list[int]], 
 
 
 def generate(model, tokenizer, context, question, method: Method | str | None = None, max_new_tokens: int = 32,
-             protocol: str = "agnostic", chat_template: bool = True) -> GenerationOutput:
-    """Answer `question` about `context` (strings, or equal-length lists run as one batch)."""
+             protocol: str = "agnostic", chat_template: bool = True, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
+             streamer=None) -> GenerationOutput:
+    """Answer `question` about `context` (strings, or equal-length lists run as one batch). Greedy by
+    default; `temperature` > 0 samples (with `top_k`, `top_p`, `seed`). Each row stops at the end token
+    or after the first of the `stop` strings (cut from the text); `streamer` gets a single row's tokens
+    as they come (e.g. `transformers.TextStreamer(tokenizer)`)."""
     single = isinstance(context, str)
     contexts = [context] if single else list(context)
     questions = [question] if isinstance(question, str) else list(question)
@@ -73,9 +116,12 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
     if isinstance(method, str):
         method = get_method(method)
     pairs = [split_prompt(tokenizer, c, q, chat_template) for c, q in zip(contexts, questions)]
+    stop = [x for x in (stop or []) if x]
+    stopped = (lambda row: any(x in tokenizer.decode(row, skip_special_tokens=True) for x in stop)) if stop else None
     out = generate_ids(model, [p[0] for p in pairs], [p[1] for p in pairs], method, max_new_tokens, protocol,
-                       eos_token_id=tokenizer.eos_token_id, tokenizer=tokenizer)
-    texts = [tokenizer.decode(t, skip_special_tokens=True).strip() for t in out.tokens]
+                       eos_token_id=tokenizer.eos_token_id, tokenizer=tokenizer,
+                       sampling=Sampling(temperature, top_k, top_p, seed), streamer=streamer, stop=stopped)
+    texts = [_cut(tokenizer.decode(t, skip_special_tokens=True), stop).strip() for t in out.tokens]
     out.text = texts[0] if single else texts
     if single:
         out.stats["context_tokens"] = out.stats["context_tokens"][0]
@@ -149,20 +195,33 @@ def _cache_stats(session, contexts, protocol) -> dict:
             "full_cache_bytes": per_token * len(contexts) * max(len(c) for c in contexts)}
 
 
-def _decode(session, logits, stats, max_new_tokens, eos_token_id) -> GenerationOutput:
+def _cut(text: str, stop: list[str]) -> str:
+    """`text` up to the first stop string."""
+    ends = [text.find(x) for x in stop if x in text]
+    return text[:min(ends)] if ends else text
+
+
+def _decode(session, logits, stats, max_new_tokens, eos_token_id, sampling=None, streamer=None,
+            stop=None) -> GenerationOutput:
     t0 = time.perf_counter()
+    choose = (sampling or Sampling()).chooser()
     done = torch.zeros(logits.shape[0], dtype=torch.bool)
     tokens: list[list[int]] = [[] for _ in range(logits.shape[0])]
     for step in range(max_new_tokens):
-        nxt = logits.argmax(-1).cpu()
+        nxt = choose(logits).cpu()
         for b in range(len(tokens)):
             if not done[b]:
                 tokens[b].append(int(nxt[b]))
+                done[b] |= stop is not None and stop(tokens[b])
+        if streamer is not None:
+            streamer.put(nxt)
         if eos_token_id is not None:
             done |= nxt == eos_token_id
         if bool(done.all()) or step == max_new_tokens - 1:
             break
         logits = session.forward([[int(t)] for t in nxt])
+    if streamer is not None:
+        streamer.end()
     stats.update(decode_seconds=time.perf_counter() - t0, new_tokens=[len(t) for t in tokens],
                  final_cache_bytes=session.cache.nbytes, **session.method.stats)
     return GenerationOutput(tokens=tokens, stats=stats)

@@ -159,3 +159,30 @@ def test_log_mass_of_merged_entries_is_kept_in_float32(llama):
     layer = s.cache.layers[0]
     layer.replace(layer.keys, layer.values, torch.full((1, 2, 10), math.log(3)))
     assert layer.log_n.dtype == torch.float32 and layer.mass().sum() == pytest.approx(60, rel=1e-6)
+
+
+def test_sampling_is_seeded_greedy_at_zero_temperature_and_streams(llama):
+    ctx, q = random_ids(80, seed=11), [5, 6]
+    m = kvmerge.get_method("snapkv", budget=0.5, window=8)
+    greedy = kvmerge.generate_ids(llama, ctx, q, m, max_new_tokens=8).tokens
+    assert kvmerge.generate_ids(llama, ctx, q, m, max_new_tokens=8, sampling=kvmerge.Sampling(0.0)).tokens == greedy
+    runs = [kvmerge.generate_ids(llama, ctx, q, m, max_new_tokens=8,
+                                 sampling=kvmerge.Sampling(temperature=1.5, top_k=50, top_p=0.95, seed=s)).tokens
+            for s in (1, 1, 2)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    seen = []
+
+    class Streamer:
+        def put(self, value):
+            seen.append(int(value[0]))
+
+        def end(self):
+            seen.append("end")
+
+    out = kvmerge.generate_ids(llama, ctx, q, m, max_new_tokens=8, streamer=Streamer(),
+                               stop=lambda row: len(row) == 3)
+    assert out.tokens[0] == greedy[0][:3] and seen == greedy[0][:3] + ["end"]
+    with pytest.raises(ValueError, match="top_p"):
+        kvmerge.Sampling(temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="single row"):
+        kvmerge.generate_ids(llama, [ctx, ctx], [q, q], m, streamer=Streamer())
