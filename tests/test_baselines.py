@@ -60,10 +60,14 @@ def test_tova_evicts_during_decoding_to_stay_in_budget():
             assert all(e == 40 for e in s.cache.entries)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(set(kvmerge.available_methods()) - {"full"}))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_method_batch_budget_and_dtype(name, dtype):
-    model = tiny_model(dtype=dtype)
+def test_every_method_batch_budget_and_dtype(name, dtype, device):
+    model = tiny_model(dtype=dtype).to(device)
     m = kvmerge.get_method(name, budget=0.25, window=8, **EXTRA.get(name, {}))
     ctx = [random_ids(160, seed=1), random_ids(120, seed=2)]
     qs = [[3, 4], [5]]

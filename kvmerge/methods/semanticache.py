@@ -112,9 +112,10 @@ class SemantiCache(Method):
             return rep
         C = len(row_of_chunk)
         member = chunk_of >= 0
-        slot_token = torch.zeros(C, longest, dtype=torch.long)
-        valid = torch.zeros(C, longest, dtype=torch.bool)
-        t = torch.arange(n).expand(b, n)
+        dev = keys.device
+        slot_token = torch.zeros(C, longest, dtype=torch.long, device=dev)
+        valid = torch.zeros(C, longest, dtype=torch.bool, device=dev)
+        t = torch.arange(n, device=dev).expand(b, n)
         slot_token[chunk_of[member], offset[member]] = t[member]
         valid[chunk_of[member], offset[member]] = True
         unit = torch.nn.functional.normalize(keys.float(), dim=-1)
@@ -130,28 +131,28 @@ class SemantiCache(Method):
             return greedy_seed_clustering(sim, valid, tau[..., row_of_chunk, :])
 
         def fits(tau):  # entries(τ) within the budget, (..., b, heads)
-            is_root = (roots(tau) == torch.arange(longest)) & valid
+            is_root = (roots(tau) == torch.arange(longest, device=dev)) & valid
             per_chunk = is_root.sum(-1)
-            total = torch.zeros(*per_chunk.shape[:-2], b, per_chunk.shape[-1], dtype=torch.long)
+            total = torch.zeros(*per_chunk.shape[:-2], b, per_chunk.shape[-1], dtype=torch.long, device=dev)
             return fixed + total.index_add_(-2, row_of_chunk, per_chunk) <= allow
 
         heads = sim.shape[1]
         if self.tau is not None:
-            tau = torch.full((b, heads), float(self.tau))
+            tau = torch.full((b, heads), float(self.tau), device=dev)
         else:  # largest feasible τ, by a parallel grid search refined `search_rounds` times
-            lo_t, hi_t = torch.full((b, heads), -1.01), torch.full((b, heads), 1.0 + 1e-6)
+            lo_t, hi_t = torch.full((b, heads), -1.01, device=dev), torch.full((b, heads), 1.0 + 1e-6, device=dev)
             ok_hi = fits(hi_t)
-            steps = torch.arange(1, self.search_width + 1)[:, None, None] / (self.search_width + 1)
+            steps = torch.arange(1, self.search_width + 1, device=dev)[:, None, None] / (self.search_width + 1)
             for _ in range(self.search_rounds):
                 cands = lo_t + (hi_t - lo_t) * steps  # (K, b, heads), increasing
-                best = (fits(cands).long() * torch.arange(1, self.search_width + 1)[:, None, None]).amax(0)
+                best = (fits(cands).long() * torch.arange(1, self.search_width + 1, device=dev)[:, None, None]).amax(0)
                 pick = lambda i: cands.gather(0, (i - 1).clamp(0, self.search_width - 1)[None])[0]  # noqa: E731
                 lo_t = torch.where(best > 0, pick(best), lo_t)
                 hi_t = torch.where(best < self.search_width, pick(best + 1), hi_t)
             tau = torch.where(ok_hi, hi_t, lo_t)
         self.stats["tau_mean"].append(round(float(tau.mean()), 4))
         root = roots(tau).expand(C, h, longest)  # (C, h, L) offsets of seeds
-        root_token = slot_token[torch.arange(C)[:, None, None], root]  # (C, h, L)
+        root_token = slot_token[torch.arange(C, device=dev)[:, None, None], root]  # (C, h, L)
         rows = row_of_chunk[:, None].expand(C, longest)[valid[:, 0]]
         toks = slot_token[valid[:, 0]]
         rep[rows, :, toks] = root_token.permute(0, 2, 1)[valid[:, 0]]

@@ -40,13 +40,13 @@ def best_partners(keys: torch.Tensor, is_a: torch.Tensor, chunk: int):
     b, h, n, d = keys.shape
     pad = (-n) % chunk
     k = torch.nn.functional.pad(keys, (0, 0, 0, pad)).reshape(b, h, -1, chunk, d)
-    a = torch.nn.functional.pad(is_a, (0, pad), value=False).reshape(-1, chunk)
-    real = torch.nn.functional.pad(torch.ones(n, dtype=torch.bool), (0, pad)).reshape(-1, chunk)
+    a = torch.nn.functional.pad(is_a.to(keys.device), (0, pad), value=False).reshape(-1, chunk)
+    real = torch.nn.functional.pad(torch.ones(n, dtype=torch.bool, device=keys.device), (0, pad)).reshape(-1, chunk)
     sim = cosine_sim(k, k)  # (b, h, nc, c, c)
     allowed = (a[:, :, None] & ~a[:, None, :] & real[:, None, :])  # row A, column B
     sim = sim.masked_fill(~allowed, float("-inf"))
     score, col = sim.max(-1)
-    partner = col + torch.arange(0, n + pad, chunk)[:, None]
+    partner = col + torch.arange(0, n + pad, chunk, device=keys.device)[:, None]
     return score.reshape(b, h, -1)[..., :n], partner.reshape(b, h, -1)[..., :n]
 
 
@@ -64,7 +64,7 @@ def csm_round(keys, values, log_n, m: int, chunk: int, is_a: torch.Tensor, scope
         share = -(-m // nc)
         top = per_chunk.topk(min(share, chunk), dim=-1)
         rank_in_chunk = torch.full_like(per_chunk, float("inf")).scatter_(-1, top.indices,
-                                                                           torch.arange(share, dtype=score.dtype)
+                                                                           torch.arange(share, dtype=score.dtype, device=score.device)
                                                                            .expand_as(top.values))
         # round-robin over chunks so exactly m are taken, best-in-chunk first
         key = rank_in_chunk.reshape(b, h, -1)[..., :n] - score.clamp(-1, 1) * 1e-3
@@ -72,8 +72,8 @@ def csm_round(keys, values, log_n, m: int, chunk: int, is_a: torch.Tensor, scope
     else:
         chosen = score.topk(m, dim=-1).indices
     ok = score.gather(-1, chosen) > float("-inf")
-    target = torch.arange(n).expand(b, h, n).clone()
+    target = torch.arange(n, device=keys.device).expand(b, h, n).clone()
     target.scatter_(-1, chosen, torch.where(ok, partner.gather(-1, chosen), chosen))
-    is_root = target == torch.arange(n)
+    is_root = target == torch.arange(n, device=keys.device)
     slot = is_root.long().cumsum(-1) - 1
     return merge_clusters(keys, values, log_n, slot.gather(-1, target), int(is_root.sum(-1).max()))

@@ -64,16 +64,16 @@ def chunk_layout(is_anchor: torch.Tensor, cap: int):
     pos = t - run_start
     pieces = n // max(cap, 1) + 2
     local = run * pieces + pos // cap  # unique per (run, piece) inside a row
-    key = torch.where(is_anchor, torch.full_like(local, -1), local + torch.arange(b)[:, None] * (n + 1) * pieces)
+    key = torch.where(is_anchor, torch.full_like(local, -1), local + torch.arange(b, device=is_anchor.device)[:, None] * (n + 1) * pieces)
     uniq, chunk_of = torch.unique(key, return_inverse=True)
     has_anchor = bool((uniq == -1).any())
     chunk_of = chunk_of - int(has_anchor)
     chunk_of = torch.where(is_anchor, torch.full_like(chunk_of, -1), chunk_of)
     offset = pos % cap
     n_chunks = len(uniq) - int(has_anchor)
-    row_of_chunk = torch.zeros(n_chunks, dtype=torch.long)
+    row_of_chunk = torch.zeros(n_chunks, dtype=torch.long, device=is_anchor.device)
     if n_chunks:
-        rows = torch.arange(b)[:, None].expand(b, n)
+        rows = torch.arange(b, device=is_anchor.device)[:, None].expand(b, n)
         row_of_chunk[chunk_of[~is_anchor]] = rows[~is_anchor]
     longest = int(offset[~is_anchor].max()) + 1 if n_chunks else 0
     return chunk_of, offset, row_of_chunk, longest
@@ -96,7 +96,7 @@ def greedy_seed_clustering(sim: torch.Tensor, valid: torch.Tensor, tau: torch.Te
     shape = torch.broadcast_shapes(valid.shape, tau.shape + (L,))
     root = torch.arange(L, device=sim.device).expand(shape).clone()
     assigned = (~valid).expand(shape).clone()
-    active = (lengths[order][None, :] > torch.arange(L)[:, None]).sum(-1).tolist()
+    active = (lengths[order][None, :] > torch.arange(L, device=sim.device)[:, None]).sum(-1).tolist()
     for t in range(L - 1):
         n = active[t]
         a = assigned[..., :n, :, t + 1:]
