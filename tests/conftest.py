@@ -1,6 +1,10 @@
 """Tiny random models built from configs (no downloads) and shared helpers."""
 
-import pytest
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub (kvmerge itself sets nothing)
+
+import pytest  # noqa: E402
 import torch
 from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM)
