@@ -18,33 +18,40 @@ from transformers.masking_utils import AttentionMaskInterface
 ATTN_NAME = "kvmerge"
 
 
-def attention_bias(log_n: torch.Tensor, q_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive bias `(batch, kv_heads, q_len, slots)`: log_n, causal over the last `q_len` slots.
+def attention_bias(log_n: torch.Tensor, q_len: int, dtype: torch.dtype, window=None) -> torch.Tensor:
+    """Additive bias `(batch, kv_heads, q_len, slots)`: log_n, causal over the last `q_len` slots, or
+    with `window = (w, key_positions (b, s), query_positions (b, q))` visible iff 0 ≤ q_pos − k_pos < w.
 
     Each query always sees its own slot (bias 0), so a padding query stays finite.
     """
     b, h, s = log_n.shape
     bias = log_n.to(dtype)[:, :, None, :]
-    if q_len == 1:  # a decoding token is never padding
+    if q_len == 1 and window is None:  # a decoding token is never padding
         return bias
     past = s - q_len
-    i = torch.arange(q_len, device=log_n.device)[:, None]
-    j = torch.arange(s, device=log_n.device)[None, :] - past
-    causal = torch.zeros(q_len, s, dtype=dtype, device=log_n.device).masked_fill_(j > i, float("-inf"))
-    bias = bias + causal
+    if window is None:
+        i = torch.arange(q_len, device=log_n.device)[:, None]
+        j = torch.arange(s, device=log_n.device)[None, :] - past
+        hidden = j > i
+    else:
+        w, key_pos, query_pos = window
+        diff = query_pos[:, :, None] - key_pos[:, None, :]  # (b, q, s)
+        hidden = ((diff < 0) | (diff >= w))[:, None]
+    bias = bias + torch.zeros(hidden.shape, dtype=dtype, device=log_n.device).masked_fill_(hidden, float("-inf"))
     bias[..., torch.arange(q_len), past + torch.arange(q_len)] = 0.0
     return bias
 
 
-def biased_sdpa(query, key, value, log_n, scaling=None):
+def biased_sdpa(query, key, value, log_n, scaling=None, window=None):
     """SDPA with the log-mass bias, GQA by packing query heads onto their KV head (no repeat_kv).
 
-    query `(b, hq, q, d)`, key/value `(b, hkv, s, d)`, log_n `(b, hkv, s)` → `(b, q, hq, d)`.
+    query `(b, hq, q, d)`, key/value `(b, hkv, s, d)`, log_n `(b, hkv, s)` → `(b, q, hq, d)`;
+    `window`: a sliding layer's mask (see `attention_bias`).
     """
     b, hq, q, d = query.shape
     hkv = key.shape[1]
     rep = hq // hkv
-    bias = attention_bias(log_n, q, query.dtype)  # (b, hkv, q, s)
+    bias = attention_bias(log_n, q, query.dtype, window)  # (b, hkv, q, s)
     packed = query.reshape(b, hkv, rep * q, d)
     if q > 1 and rep > 1:
         bias = bias[:, :, None].expand(b, hkv, rep, q, bias.shape[-1]).reshape(b, hkv, rep * q, -1)
@@ -53,22 +60,25 @@ def biased_sdpa(query, key, value, log_n, scaling=None):
 
 
 def proportional_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                           is_causal=None, kvmerge_log_n=None, kvmerge_listener=None, **kwargs):
-    """Registered as transformers attention `"kvmerge"`. `kvmerge_log_n` `(b, hkv, s)` and
-    `kvmerge_listener` `(layer_idx, fn)` come from `MergedCache.update`; with another cache both are
-    None and this is stock causal SDPA."""
+                           is_causal=None, kvmerge_log_n=None, kvmerge_listener=None, kvmerge_window=None,
+                           **kwargs):
+    """Registered as transformers attention `"kvmerge"`. `kvmerge_log_n` `(b, hkv, s)`,
+    `kvmerge_window` (a sliding layer's window and positions) and `kvmerge_listener`
+    `(layer_idx, fn)` come from `MergedCache.update`; with another cache all are None and this is
+    stock causal SDPA."""
     if attention_mask is not None:
         raise ValueError("kvmerge attention builds its own mask; pass no 4D attention_mask "
                          "(for padded batches use kvmerge.generate)")
     q_len, kv_len = query.shape[2], key.shape[2]
-    if kvmerge_log_n is None and (q_len == 1 or kv_len == q_len):
+    window_binds = kvmerge_window is not None and kv_len > kvmerge_window[0]
+    if kvmerge_log_n is None and (q_len == 1 or kv_len == q_len) and not window_binds:
         out, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
                                         is_causal=True, **kwargs)
     else:
         log_n = kvmerge_log_n
         if log_n is None:
             log_n = torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device)
-        out = biased_sdpa(query, key, value, log_n, scaling)
+        out = biased_sdpa(query, key, value, log_n, scaling, kvmerge_window if window_binds else None)
     if kvmerge_listener is not None:
         layer_idx, listener = kvmerge_listener
         listener(layer_idx, query)

@@ -137,8 +137,77 @@ class MergedLayer(DynamicLayer):
         return self.full_log_n().exp().sum(-1)
 
 
+class SlidingLayer(MergedLayer):
+    """A sliding-window layer, kept exactly as transformers keeps it: never compressed, it holds the
+    slots the next queries can still see (each row's last `window` − 1 positions). `positions`
+    `(batch, slots)` are the slots' true positions, which the attention's window mask reads."""
+
+    is_sliding = True
+
+    def __init__(self, window: int, **kwargs):
+        super().__init__(**kwargs)
+        self.window = window
+        self.positions: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, new_log_n=None, new_positions=None):
+        """Append; returns (keys, values, log_n or None, positions) of every slot this step attends to,
+        then drops the slots no later query can see."""
+        b, _h, q, _d = key_states.shape
+        if new_positions is None:
+            new_positions = self.seen + torch.arange(q, device=key_states.device).expand(b, q)
+        keys, values = super().update(key_states, value_states, new_log_n)
+        new_positions = new_positions.to(key_states.device).expand(b, q)
+        self.positions = new_positions if self.positions is None else torch.cat([self.positions, new_positions], -1)
+        seen = (keys, values, self.log_n, self.positions)
+        live = torch.ones_like(self.positions, dtype=torch.bool) if self.log_n is None else ~torch.isinf(self.log_n[:, 0])
+        next_pos = self.positions.masked_fill(~live, -1).amax(-1, keepdim=True) + 1
+        needed = live & (self.positions > next_pos - self.window)
+        start = int(needed.any(0).long().argmax()) if bool(needed.any()) else self.positions.shape[1]
+        if start:
+            self.keys, self.values = self.keys[:, :, start:], self.values[:, :, start:]
+            self.positions = self.positions[:, start:]
+            if self.log_n is not None:
+                self.log_n = self.log_n[:, :, start:]
+                if not bool(torch.isinf(self.log_n).any()):
+                    self.log_n = None
+        return seen
+
+    def reset(self) -> None:
+        super().reset()
+        self.positions = None
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.positions is not None:
+            self.positions = self.positions[indices]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.positions is not None:
+            self.positions = self.positions.repeat_interleave(repeats, dim=0)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.positions is not None:
+            self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per decoder layer: its sliding window, or None for full attention (what transformers' own
+    `DynamicCache(config=...)` would build). Raises on a layer type kvmerge does not handle."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    windows = []
+    for kind, kw in zip(types, kwargs):
+        if kind not in ("full_attention", "sliding_attention"):
+            raise ValueError(f"layers of type {kind!r} are not supported (kvmerge handles full and sliding attention)")
+        windows.append(kw.get("sliding_window") if kind == "sliding_attention" else None)
+    return windows
+
+
 class MergedCache(Cache):
-    """A `Cache` of `MergedLayer`s, one per decoder layer.
+    """A `Cache` of `MergedLayer`s (full attention, compressible) and `SlidingLayer`s, one per decoder layer.
 
     Two things beside the layers, both set by whoever feeds the model (the kvmerge runtime):
     `next_log_n` `(batch, new)`, the log-mass of the tokens of the next forward (0 real, -inf
@@ -148,19 +217,35 @@ class MergedCache(Cache):
     decode-time policies.
     """
 
-    def __init__(self, num_layers: int):
-        super().__init__(layers=[MergedLayer() for _ in range(num_layers)])
+    def __init__(self, num_layers_or_config):
+        """`MergedCache(num_layers)`: all layers full attention; `MergedCache(config)`: the model's own
+        layer types (sliding-window layers become `SlidingLayer`s)."""
+        windows = ([None] * num_layers_or_config if isinstance(num_layers_or_config, int)
+                   else layer_windows(num_layers_or_config))
+        super().__init__(layers=[MergedLayer() if w is None else SlidingLayer(w) for w in windows])
         self.next_log_n: torch.Tensor | None = None
         self.listener: Callable[[int, torch.Tensor], None] | None = None
 
+    @property
+    def compressible(self) -> list[int]:
+        """Indices of the full-attention layers, the ones a method compresses."""
+        return [i for i, layer in enumerate(self.layers) if not isinstance(layer, SlidingLayer)]
+
     def update(self, key_states, value_states, layer_idx: int, kwargs: dict | None = None):
         """Append to layer `layer_idx`. Transformers passes the same `kwargs` dict on to the attention
-        function, so the layer's log-mass and the listener reach kvmerge's attention through it."""
+        function, so the layer's log-mass, a sliding layer's window and positions, and the listener
+        reach kvmerge's attention through it."""
         layer = self.layers[layer_idx]
-        keys, values = layer.update(key_states, value_states, self.next_log_n)
-        if kwargs is not None:
-            kwargs["kvmerge_log_n"] = layer.log_n
-            kwargs["kvmerge_listener"] = None if self.listener is None else (layer_idx, self.listener)
+        kwargs = {} if kwargs is None else kwargs
+        if isinstance(layer, SlidingLayer):
+            keys, values, log_n, positions = layer.update(key_states, value_states, self.next_log_n,
+                                                          kwargs.get("position_ids"))
+            kwargs["kvmerge_window"] = (layer.window, positions, positions[:, -key_states.shape[2]:])
+        else:
+            keys, values = layer.update(key_states, value_states, self.next_log_n)
+            log_n = layer.log_n
+        kwargs["kvmerge_log_n"] = log_n
+        kwargs["kvmerge_listener"] = None if self.listener is None else (layer_idx, self.listener)
         return keys, values
 
     @property
@@ -180,8 +265,18 @@ def stack_rows(parts: list[KV]) -> KV:
     return KV(*(torch.cat(xs, dim=0) for xs in zip(*padded)))
 
 
+def stock_cache_bytes(config, dtype: torch.dtype, n_tokens: int, layers: list[int] | None = None) -> int:
+    """Bytes transformers' own cache holds for one row of `n_tokens` (keys + values; sliding layers
+    keep their last window − 1 tokens), over all layers or the `layers` given."""
+    per_layer = bytes_per_token(config, dtype) // config.get_text_config(decoder=True).num_hidden_layers
+    windows = layer_windows(config)
+    layers = range(len(windows)) if layers is None else layers
+    return per_layer * sum(n_tokens if windows[i] is None else min(n_tokens, windows[i] - 1) for i in layers)
+
+
 def bytes_per_token(config, dtype: torch.dtype) -> int:
     """Bytes one uncompressed token takes in the cache across all layers (keys + values)."""
+    config = config.get_text_config(decoder=True)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elem

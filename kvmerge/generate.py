@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import bytes_per_token
+from .cache import stock_cache_bytes
 from .methods import Method, get_method
 from .session import Session
 
@@ -187,12 +187,20 @@ def _validate(model, context_ids, question_ids, protocol, max_new_tokens, method
 
 
 def _cache_stats(session, contexts, protocol) -> dict:
-    per_token = bytes_per_token(session.model.config.get_text_config(decoder=True),
-                                session.cache.layers[0].keys.dtype)
+    """Sizes after compression. A budget applies to the full-attention layers (`compressed_layers_*`);
+    `cache_bytes` is the whole cache, `full_cache_bytes` what transformers' own cache would hold."""
+    config, dtype, cache = session.model.config, cache_dtype(session), session.cache
+    width, rows, picked = max(len(c) for c in contexts), len(contexts), cache.compressible
     return {"method": session.method.name, "budget": session.method.budget, "protocol": protocol,
             "context_tokens": [len(c) for c in contexts], **session.timings,
-            "cache_entries": session.cache.entries, "cache_bytes": session.cache.nbytes,
-            "full_cache_bytes": per_token * len(contexts) * max(len(c) for c in contexts)}
+            "cache_entries": cache.entries, "cache_bytes": cache.nbytes,
+            "full_cache_bytes": rows * stock_cache_bytes(config, dtype, width),
+            "compressed_layers_bytes": sum(cache.layers[i].nbytes for i in picked),
+            "compressed_layers_full_bytes": rows * stock_cache_bytes(config, dtype, width, picked)}
+
+
+def cache_dtype(session) -> torch.dtype:
+    return session.cache.layers[0].keys.dtype
 
 
 def _cut(text: str, stop: list[str]) -> str:

