@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--budget", type=float, default=0.25)
     demo.add_argument("--length", type=int, default=2048)
     demo.add_argument("--samples", type=int, default=3)
-    demo.add_argument("--model", default=None, help="local HF folder or .gguf (default: bundled SmolLM2)")
+    demo.add_argument("--model", default=None, help="gemma3-270m, a local folder, .gguf or model id (default: bundled SmolLM2)")
 
     sub.add_parser("methods", help="list the available methods")
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--protocol", choices=["agnostic", "aware"], default="agnostic")
     ev.add_argument("--text", default=None, help="UTF-8 file to use instead of the built-in prose")
     ev.add_argument("--out", default="results")
-    ev.add_argument("--model", default=None)
+    ev.add_argument("--model", default=None, help="gemma3-270m, a local folder, .gguf or model id (default: SmolLM2)")
 
     bench = sub.add_parser("bench", help="decode speed, compression cost and memory vs the full cache")
     bench.add_argument("--methods", type=_csv(str), default=["streamingllm", "centroidkv", "semanticache"])
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--batches", type=_csv(int), default=[1, 4, 8])
     bench.add_argument("--steps", type=int, default=32)
     bench.add_argument("--out", default="results/bench")
-    bench.add_argument("--model", default=None)
+    bench.add_argument("--model", default=None, help="gemma3-270m, a local folder, .gguf or model id (default: SmolLM2)")
 
     rep = sub.add_parser("report", help="tables and plots of a results folder")
     rep.add_argument("folder")

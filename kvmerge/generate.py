@@ -75,10 +75,10 @@ def generate_ids(model, context_ids, question_ids, method: Method | None = None,
         raise ValueError("a streamer takes a single row")
     session = Session(model, len(contexts), method, tokenizer)
     logits = session.prefill(contexts, window)
-    stats = _cache_stats(session, contexts, protocol)
+    stats = cache_stats(session, contexts, protocol)
     if protocol == "agnostic":
         logits = session.forward(questions, decoding=False)
-    return _decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop)
+    return decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop)
 
 
 @torch.inference_mode()
@@ -90,13 +90,13 @@ def answer_questions(model, context_ids: list[int], questions: list[list[int]], 
         _validate(model, [context_ids], [q], "agnostic", max_new_tokens, method)
     session = Session(model, 1, method, tokenizer)
     session.prefill([list(context_ids)])
-    stats = _cache_stats(session, [context_ids], "agnostic")
+    stats = cache_stats(session, [context_ids], "agnostic")
     snapshot = session.snapshot()
     outs = []
     for q in questions:
         session.restore(snapshot)
         logits = session.forward([list(q)], decoding=False)
-        outs.append(_decode(session, logits, dict(stats), max_new_tokens, eos_token_id))
+        outs.append(decode(session, logits, dict(stats), max_new_tokens, eos_token_id))
     return outs
 
 
@@ -186,7 +186,7 @@ def _validate(model, context_ids, question_ids, protocol, max_new_tokens, method
     return contexts, questions, window
 
 
-def _cache_stats(session, contexts, protocol) -> dict:
+def cache_stats(session, contexts, protocol) -> dict:
     """Sizes after compression. A budget applies to the full-attention layers (`compressed_layers_*`);
     `cache_bytes` is the whole cache, `full_cache_bytes` what transformers' own cache would hold."""
     config, dtype, cache = session.model.config, cache_dtype(session), session.cache
@@ -209,8 +209,9 @@ def _cut(text: str, stop: list[str]) -> str:
     return text[:min(ends)] if ends else text
 
 
-def _decode(session, logits, stats, max_new_tokens, eos_token_id, sampling=None, streamer=None,
-            stop=None) -> GenerationOutput:
+def decode(session, logits, stats, max_new_tokens, eos_token_id=None, sampling=None, streamer=None,
+           stop=None) -> GenerationOutput:
+    """Generate from `logits` `(batch, vocab)` on the session's cache until each row ends."""
     t0 = time.perf_counter()
     choose = (sampling or Sampling()).chooser()
     done = torch.zeros(logits.shape[0], dtype=torch.bool)

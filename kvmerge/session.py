@@ -103,24 +103,34 @@ class Session:
         method's surprisal pass counts as compression, not prefill)."""
         method = self.method
         t0 = time.perf_counter()
-        capture = 0 if method is None else method.query_window
-        if method is not None and method.needs_surprisal:
-            logits, hidden, ids, pad = self._feed(rows, capture=capture, hidden=True)
-            t1 = time.perf_counter()
-            surprisal = self.surprisal_of(hidden, ids, pad)
-        else:
-            logits, surprisal = self.forward(rows, capture=capture), None
-            t1 = time.perf_counter()
+        logits, surprisal, t1 = self.feed_prompt(rows, 0 if method is None else method.query_window,
+                                                 method is not None and method.needs_surprisal)
         if method is not None:
             self.compress(rows, window, surprisal)
         self.timings = {"prefill_seconds": t1 - t0, "compress_seconds": time.perf_counter() - t1}
         return logits
 
+    def feed_prompt(self, rows: list[list[int]], capture: int = 0, surprisal: bool = False):
+        """Feed prompts keeping the last `capture` queries per full-attention layer (-1: all);
+        → (last-token logits, each token's surprisal `(batch, width)` if asked else None, the clock
+        when the forward ended)."""
+        if not surprisal:
+            logits = self.forward(rows, capture=capture)
+            return logits, None, time.perf_counter()
+        logits, hidden, ids, pad = self._feed(rows, capture=capture, hidden=True)
+        end = time.perf_counter()
+        return logits, self.surprisal_of(hidden, ids, pad), end
+
     def forward_surprisal(self, rows: list[list[int]]) -> torch.Tensor:
         """Feed the rows like `forward`; returns each fed token's surprisal `(batch, width)`, −log p
         given the tokens before it in this chunk (0 at a row's first token and on padding)."""
-        _, hidden, ids, pad = self._feed(rows, hidden=True)
-        return self.surprisal_of(hidden, ids, pad)
+        return self.feed_prompt(rows, surprisal=True)[1]
+
+    def use(self, method: Method, tokenizer=None) -> None:
+        """Switch the session to `method` (after `feed_prompt` with every query captured, one prefill
+        can be compressed by several methods in turn: snapshot, compress, restore)."""
+        self.method = method
+        method.setup(self.model, tokenizer)
 
     def surprisal_of(self, hidden, ids, pad):
         surprisal = token_surprisal(self.model, hidden, ids)
@@ -157,8 +167,8 @@ class Session:
                 n = kv.slots
                 queries = None
                 if state.queries is not None:
-                    q = state.queries[rows]
-                    queries = q[:, :, -n:] if method.query_window < 0 else q[:, :, -min(n, q.shape[2]):]
+                    keep = n if method.query_window < 0 else min(n, method.query_window)
+                    queries = state.queries[rows][:, :, -keep:]
                 ctx = LayerContext(
                     layer_idx=i, num_layers=len(layers), target=method.target(n, window), sinks=method.sinks,
                     window=window, scaling=scaling, queries=queries, rows=rows, state=state,

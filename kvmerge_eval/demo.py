@@ -8,9 +8,10 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from kvmerge import available_methods, generate, get_method, load_model
+from kvmerge import available_methods, generate_ids, get_method, load_model
 
 from .niah import make_sample, score
+from .runner import prompt_ids
 
 
 DEFAULT_METHODS = ("full", "semanticache", "centroidkv", "streamingllm", "snapkv", "surprisemerge")
@@ -33,12 +34,14 @@ def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int
             correct, cache, full, seconds, example = 0.0, 0, 0, 0.0, ""
             for s in tasks:
                 t0 = time.perf_counter()
-                out = generate(model, tok, s.context, s.question, method=method, max_new_tokens=24)
+                out = generate_ids(model, *prompt_ids(tok, s), method, max_new_tokens=24,
+                                   eos_token_id=tok.eos_token_id, tokenizer=tok)
+                text = tok.decode(out.tokens[0], skip_special_tokens=True).strip()
                 seconds += time.perf_counter() - t0
-                correct += score(out.text, s.answer)
+                correct += score(text, s.answer)
                 cache += out.stats["cache_bytes"]
                 full += out.stats["full_cache_bytes"]
-                example = example or out.text
+                example = example or text
                 bar.update(1)
             rows.append({"method": name, "budget": method.budget, "correct": correct, "samples": len(tasks),
                          "cache_fraction": cache / full, "seconds": seconds / len(tasks), "example": example})

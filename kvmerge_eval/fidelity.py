@@ -31,14 +31,21 @@ def make_sample(tokenizer, n_tokens: int, seed: int, text: str | None = None, co
 def continuation_logits(model, context: list[int], continuation: list[int], method=None,
                         tokenizer=None) -> torch.Tensor:
     """Log-probabilities `(M, vocab)` for each continuation token, the context compressed by `method`
-    (None: full cache). With a decode hook the continuation is fed one token at a time."""
+    (None: full cache)."""
     s = Session(model, 1, method, tokenizer)
-    first = s.prefill([context])
+    return teacher_forced(s, s.prefill([context]), continuation)
+
+
+@torch.inference_mode()
+def teacher_forced(session, first: torch.Tensor, continuation: list[int]) -> torch.Tensor:
+    """Log-probabilities `(M, vocab)` of the continuation fed after the session's (compressed)
+    context, `first` being the context's last-token logits. With a decode policy the continuation is
+    fed one token at a time."""
     rest = continuation[:-1]
-    if method is not None and method.has_decode_policy:
-        steps = [s.forward([[t]]) for t in rest]
+    if session.method is not None and session.method.has_decode_policy:
+        steps = [session.forward([[t]]) for t in rest]
     else:
-        steps = [s.forward([rest], all_logits=True)[0]] if rest else []
+        steps = [session.forward([rest], all_logits=True)[0]] if rest else []
     return torch.cat([first] + steps).log_softmax(-1)
 
 

@@ -40,7 +40,8 @@ def make_sample(tokenizer, n_tokens: int, depth: float, seed: int, text: str | N
     at = round(depth * len(hay))
     context = " ".join(hay[:at] + [needle] + hay[at:])
     question = f"What is the special magic number for {city}? Answer with the number only."
-    return Sample(context, question, number, {"length": n_tokens, "depth": depth, "seed": seed, "city": city})
+    return Sample(context, question, number, {"length": n_tokens, "depth": depth, "seed": seed, "city": city,
+                                              "answer_prefix": f"The special magic number for {city} is"})
 
 
 def score(prediction: str, answer: str) -> float:

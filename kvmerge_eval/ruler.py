@@ -47,12 +47,15 @@ def _needles(tokenizer, n_tokens, seed, text, kind, keys: int, values: int, quer
     context = _insert(tokenizer, n_tokens, rng, text, needles)
     if values > 1:
         question = f"What are all the special magic {kind}s for {asked[0]}? List them."
+        prefix = f"The special magic {kind}s for {asked[0]} are"
     elif queries > 1:
         question = f"What are the special magic {kind}s for {', '.join(asked)}? List them."
+        prefix = f"The special magic {kind}s for {', '.join(asked)} are"
     else:
         question = f"What is the special magic {kind} for {asked[0]}? Answer with the {kind} only."
+        prefix = f"The special magic {kind} for {asked[0]} is"
     answers = [v for k in asked for v in facts[k]]
-    return Sample(context, question, answers, {"task": name, "length": n_tokens, "seed": seed})
+    return Sample(context, question, answers, {"task": name, "length": n_tokens, "seed": seed, "answer_prefix": prefix})
 
 
 def single(kind):

@@ -13,8 +13,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvmerge import answer_questions, generate, generate_ids, method_from_spec, split_prompt
+from kvmerge import method_from_spec, split_prompt
+from kvmerge.generate import cache_stats, decode
 from . import code, fidelity, niah, ruler
+from .shared import compressed_once
 
 TASKS = ("niah", "ruler", "fidelity", "code")
 MAX_NEW = {"niah": 24, "ruler": 48, "code": 32}
@@ -56,56 +58,79 @@ def run(task, model, tok, methods, budgets, lengths, samples, out_dir, protocol=
          "protocol": protocol, "text": text, "limit": limit, "subtasks": subtasks}, indent=1))
     todo = [(s, m, b) for s in data for m, b in configs if _key(m, b, s.meta) not in done]
     with path.open("a") as f, tqdm(total=len(todo), desc=task, unit="run") as bar:
-        for group in _by_context(todo):
-            for row in _run_group(task, model, tok, group, protocol):
+        for prompt, jobs in _by_prompt(task, tok, todo, protocol).items():
+            for row in _run_prompt(task, model, tok, list(prompt), jobs, protocol):
                 f.write(json.dumps(row) + "\n")
                 f.flush()
                 bar.update(1)
     return write_summary(out, task)
 
 
-def _by_context(todo):
-    """Jobs grouped by (context, method, budget): one compression per group."""
+def prompt_ids(tok, sample) -> tuple[list[int], list[int]]:
+    """(context ids, question ids) of a sample. Without a chat template the question reads
+    "Question: …\nAnswer: <answer prefix>"; `raw` samples are plain continuations."""
+    if sample.meta.get("raw"):
+        ctx = tok(sample.context, add_special_tokens=False)["input_ids"]
+        q = tok(sample.question, add_special_tokens=False)["input_ids"]
+    else:
+        question = sample.question
+        if not getattr(tok, "chat_template", None):
+            prefix = sample.meta.get("answer_prefix")
+            question = f"Question: {question}\nAnswer:" + (f" {prefix}" if prefix else "")
+        ctx, q = split_prompt(tok, sample.context, question)
+    return ctx, q
+
+
+def _by_prompt(task, tok, todo, protocol) -> dict:
+    """Jobs `(sample, method, budget, ids fed after compression)` grouped by the ids compressed (the
+    context; the whole prompt under the aware protocol): one prefill per group, one compression per method."""
     groups: dict = defaultdict(list)
     for s, m, b in todo:
-        groups[(str(s.context), m, b)].append((s, m, b))
-    return list(groups.values())
+        ctx, q = (s.context, []) if task == "fidelity" else prompt_ids(tok, s)
+        if protocol == "aware":
+            ctx, q = ctx + q, []
+        groups[tuple(ctx)].append((s, m, b, q))
+    return groups
 
 
-_REFERENCE: dict = {}  # (length, seed, text) → full-cache log-probs of a fidelity sample
+def _run_prompt(task, model, tok, ctx, jobs, protocol):
+    configs = list(dict.fromkeys((m, b) for _, m, b, _ in jobs))
+    question = 0  # under the aware protocol the question stays inside the protected window
+    if protocol == "aware" and task != "fidelity":
+        question = len(prompt_ids(tok, jobs[0][0])[1])
+    rows = []
+    for spec, budget, session, logits in compressed_once(model, tok, [ctx], configs, question):
+        base = {"method": spec, "budget": budget}
+        mine = [(s, q) for s, m, b, q in jobs if (m, b) == (spec, budget)]
+        if task == "fidelity":
+            for s, _ in mine:
+                logp = fidelity.teacher_forced(session, logits, s.answer)
+                rows.append({**base, **s.meta, **fidelity.compare(_reference(model, s), logp, s.answer)})
+            continue
+        stats = cache_stats(session, [ctx], protocol)
+        compressed = session.snapshot()
+        for s, q in mine:
+            session.restore(compressed)
+            first = session.forward([q], decoding=False) if q else logits
+            out = decode(session, first, dict(stats), MAX_NEW[task], tok.eos_token_id)
+            text = tok.decode(out.tokens[0], skip_special_tokens=True)
+            text = text if s.meta.get("raw") else text.strip()
+            score = {"niah": niah.score, "ruler": ruler.score, "code": code.score}[task]
+            rows.append({**base, **s.meta, "answer": s.answer, "prediction": text, "score": score(text, s.answer),
+                         **{k: stats[k] for k in ("cache_bytes", "full_cache_bytes", "compress_seconds",
+                                                  "prefill_seconds")}})
+    return rows
 
 
-def _run_group(task, model, tok, group, protocol):
-    s0, name, budget = group[0]
-    method = method_from_spec(name, budget)
-    base = {"method": name, "budget": budget}
-    if task == "fidelity":
-        ref_key = (s0.meta["length"], s0.meta["seed"], len(s0.answer))
-        if ref_key not in _REFERENCE:
-            _REFERENCE.clear()
-            _REFERENCE[ref_key] = fidelity.continuation_logits(model, s0.context, s0.answer)
-        logp = fidelity.continuation_logits(model, s0.context, s0.answer, method, tok)
-        return [{**base, **s0.meta, **fidelity.compare(_REFERENCE[ref_key], logp, s0.answer)}]
-    if s0.meta.get("raw"):  # plain completion, no chat template
-        ctx = tok(s0.context, add_special_tokens=False)["input_ids"]
-        q = tok(s0.question, add_special_tokens=False)["input_ids"]
-        res = generate_ids(model, ctx, q, method, MAX_NEW[task], protocol, tokenizer=tok)
-        outs = [(s0, res, tok.decode(res.tokens[0], skip_special_tokens=True))]
-    elif len(group) > 1 and protocol == "agnostic":
-        pairs = [split_prompt(tok, s.context, s.question) for s, _, _ in group]
-        results = answer_questions(model, pairs[0][0], [p[1] for p in pairs], method, MAX_NEW[task],
-                                   tok.eos_token_id, tok)
-        outs = [(s, r, tok.decode(r.tokens[0], skip_special_tokens=True).strip()) for (s, _, _), r in zip(group, results)]
-    else:
-        outs = []
-        for s, _, _ in group:
-            r = generate(model, tok, s.context, s.question, method, MAX_NEW[task], protocol)
-            outs.append((s, r, r.text))
-    score = {"niah": niah.score, "ruler": ruler.score, "code": code.score}[task]
-    return [{**base, **s.meta, "answer": s.answer, "prediction": text, "score": score(text, s.answer),
-             "cache_bytes": r.stats["cache_bytes"], "full_cache_bytes": r.stats["full_cache_bytes"],
-             "compress_seconds": r.stats["compress_seconds"], "prefill_seconds": r.stats["prefill_seconds"]}
-            for s, r, text in outs]
+_REFERENCE: dict = {}  # (length, seed, continuation length) → full-cache log-probs of a fidelity sample
+
+
+def _reference(model, s):
+    key = (s.meta["length"], s.meta["seed"], len(s.answer))
+    if key not in _REFERENCE:
+        _REFERENCE.clear()
+        _REFERENCE[key] = fidelity.continuation_logits(model, s.context, s.answer)
+    return _REFERENCE[key]
 
 
 def _read(path) -> list[dict]:

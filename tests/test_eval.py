@@ -150,3 +150,36 @@ def test_report_marks_tasks_beyond_the_model():
     text = table(rows, "score")
     assert "| multikey (beyond the model: full < 50%) | snapkv | 0% |" in text
     assert "| single_word | full | 100% |" in text
+
+
+@pytest.mark.parametrize("protocol", ["agnostic", "aware"])
+def test_one_prefill_for_many_methods_equals_each_method_on_its_own(tmp_path, protocol):
+    """The runner prefills a context once and compresses copies; every row must equal a separate run."""
+    from kvmerge_eval.runner import prompt_ids
+
+    tok = _sp_tokenizer()
+    model = tiny_model(vocab_size=len(tok))
+    specs = ["full", "snapkv", "h2o:decode=true", "centroidkv:interval=4", "surprisemerge", "semanticache"]
+    run("niah", model, tok, specs, [0.3], [300], 2, tmp_path, protocol=protocol)
+    rows = [json.loads(x) for x in (tmp_path / "niah.jsonl").read_text().splitlines()]
+    samples = {s.meta["seed"]: s for s in niah_samples(tok)}
+    for r in rows:
+        ctx, q = prompt_ids(tok, samples[r["seed"]])
+        method = kvmerge.method_from_spec(r["method"], r["budget"])
+        alone = kvmerge.generate_ids(model, ctx, q, method, 24, protocol, tok.eos_token_id, tokenizer=tok)
+        assert r["prediction"] == tok.decode(alone.tokens[0], skip_special_tokens=True).strip(), r["method"]
+        assert r["cache_bytes"] == alone.stats["cache_bytes"]
+    fid = run("fidelity", model, tok, specs, [0.3], [300], 1, tmp_path)
+    s = fidelity.make_sample(tok, 300, seed=1000 * 300)
+    ref = fidelity.continuation_logits(model, s.context, s.answer)
+    for spec in specs[1:]:
+        alone = fidelity.compare(ref, fidelity.continuation_logits(
+            model, s.context, s.answer, kvmerge.method_from_spec(spec, 0.3), tok), s.answer)
+        shared = next(r for r in fid if r["method"] == spec)
+        assert shared["kl"] == pytest.approx(alone["kl"], rel=1e-5, abs=1e-7), spec
+
+
+def niah_samples(tok):
+    from kvmerge_eval.runner import build_samples
+
+    return build_samples("niah", tok, [300], 2)
