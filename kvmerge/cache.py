@@ -21,31 +21,80 @@ LOG_N_DTYPE = torch.float32
 
 
 class MergedLayer(DynamicLayer):
-    """One layer's merged cache: `keys`, `values`, `log_n` and the token counter `seen`, nothing else."""
+    """One layer's merged cache: `keys`, `values`, `log_n` and the token counter `seen`, nothing else.
+
+    The tensors are views of the first `entries` slots of preallocated buffers: appending writes in
+    place (capacity grows geometrically, or is set by `reserve`), and `replace` writes a compressed
+    cache into the same buffers when it fits, so decoding copies nothing per step.
+    """
 
     is_croppable = False  # entries no longer map to token positions once merged
 
     def __init__(self, **kwargs):
+        self._keys = self._values = self._log_n = None  # buffers (b, h, capacity, d) and (b, h, capacity)
+        self._length = 0
         super().__init__(**kwargs)
-        self.log_n: torch.Tensor | None = None
         self.seen = 0
 
-    # -- transformers Cache protocol -------------------------------------------------------
+    # -- the tensors: views of the buffers ----------------------------------------------------
+    keys = property(lambda self: None if self._keys is None else self._keys[:, :, :self._length],
+                    lambda self, x: self._install(keys=x))
+    values = property(lambda self: None if self._values is None else self._values[:, :, :self._length],
+                      lambda self, x: self._install(values=x))
+    log_n = property(lambda self: None if self._log_n is None else self._log_n[:, :, :self._length],
+                     lambda self, x: self._install(log_n=x))
+
+    def _install(self, **tensors) -> None:
+        """Plain assignment (transformers' own batch operations): the tensor becomes the buffer."""
+        for name, x in tensors.items():
+            setattr(self, f"_{name}", x)
+            if x is not None and name != "log_n":
+                self._length = x.shape[2] if x.dim() == 4 else 0
+
+    def drop_first(self, count: int) -> None:
+        """Forget the first `count` slots (the buffers become views from there on)."""
+        self._keys, self._values = self._keys[:, :, count:], self._values[:, :, count:]
+        if self._log_n is not None:
+            self._log_n = self._log_n[:, :, count:]
+        self._length -= count
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._keys is None or self._keys.dim() < 4 else self._keys.shape[2]
+
+    def reserve(self, slots: int) -> None:
+        """Set the buffers' capacity to `slots` (at least the entries held), copying what is held."""
+        if self._keys is None or self._keys.dim() < 4 or slots == self.capacity:
+            return
+        slots = max(slots, self._length)
+        n = self._length
+
+        def grown(buf):
+            if buf is None:
+                return None
+            out = buf.new_empty(*buf.shape[:2], slots, *buf.shape[3:])
+            out[:, :, :n] = buf[:, :, :n]
+            return out
+
+        self._keys, self._values, self._log_n = grown(self._keys), grown(self._values), grown(self._log_n)
+
     def update(self, key_states, value_states, new_log_n: torch.Tensor | None = None):
-        """Append `(b, h, q, d)` keys/values; `new_log_n` `(b, q)` is their log-mass (None: zeros)."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        """Append `(b, h, q, d)` keys/values in place; `new_log_n` `(b, q)` is their log-mass (None: zeros)."""
         b, h, q, _d = key_states.shape
-        if new_log_n is not None or self.log_n is not None:
-            if new_log_n is None:
-                new_log_n = torch.zeros(b, q, dtype=LOG_N_DTYPE, device=key_states.device)
-            new_log_n = new_log_n.to(device=key_states.device, dtype=LOG_N_DTYPE)[:, None, :].expand(b, h, q)
-            old = self.log_n
-            if old is None:
-                old = torch.zeros(b, h, self.entries, dtype=LOG_N_DTYPE, device=key_states.device)
-            self.log_n = torch.cat([old, new_log_n], dim=-1)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        if not self.is_initialized or self.capacity == 0:
+            self.lazy_initialization(key_states, value_states)
+            self._keys, self._values = key_states.new_empty(b, h, 0, _d), value_states.new_empty(b, h, 0, _d)
+            self._log_n, self._length = None, 0
+        n = self._length
+        if n + q > self.capacity:
+            self.reserve(max(n + q, 2 * self.capacity))
+        if new_log_n is not None and self._log_n is None:
+            self._log_n = torch.zeros(b, h, self.capacity, dtype=LOG_N_DTYPE, device=key_states.device)
+        self._keys[:, :, n:n + q] = key_states
+        self._values[:, :, n:n + q] = value_states
+        if self._log_n is not None:
+            self._log_n[:, :, n:n + q] = 0.0 if new_log_n is None else new_log_n.to(key_states.device)[:, None, :]
+        self._length = n + q
         self.seen += q
         return self.keys, self.values
 
@@ -60,23 +109,21 @@ class MergedLayer(DynamicLayer):
         raise NotImplementedError("kvmerge caches cannot be cropped (entries no longer map to tokens)")
 
     def reset(self) -> None:
-        super().reset()
-        self.log_n, self.seen = None, 0
+        self._keys = self._values = self._log_n = None
+        self._length, self.seen, self.is_initialized = 0, 0, False
+
+    def _map_batch(self, fn) -> None:
+        log_n = self.log_n
+        self.replace(fn(self.keys), fn(self.values), None if log_n is None else fn(log_n), fit=True)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        if self.log_n is not None:
-            self.log_n = self.log_n[indices]
+        self._map_batch(lambda x: x[indices])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        if self.log_n is not None:
-            self.log_n = self.log_n.repeat_interleave(repeats, dim=0)
+        self._map_batch(lambda x: x.repeat_interleave(repeats, dim=0))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        if self.log_n is not None:
-            self.log_n = self.log_n.index_select(0, beam_idx.to(self.log_n.device))
+        self._map_batch(lambda x: x.index_select(0, beam_idx.to(x.device)))
 
     # -- kvmerge ---------------------------------------------------------------------------
     @property
@@ -101,13 +148,28 @@ class MergedLayer(DynamicLayer):
     def kv(self) -> KV:
         return KV(self.keys, self.values, self.full_log_n())
 
-    def replace(self, keys: torch.Tensor, values: torch.Tensor, log_n: torch.Tensor | None) -> None:
-        """Install compressed tensors; an all-zero `log_n` is dropped so attention stays on the fast path."""
-        if log_n is not None and not bool((log_n == 0).all()):
-            self.log_n = log_n.to(LOG_N_DTYPE).contiguous()
+    def replace(self, keys: torch.Tensor, values: torch.Tensor, log_n: torch.Tensor | None, fit: bool = False) -> None:
+        """Install compressed tensors, written into the buffers when they fit and have the same batch
+        (`fit`: new buffers of exactly their size); an all-zero `log_n` is dropped so attention stays on
+        the fast path."""
+        if log_n is not None and bool((log_n == 0).all()):
+            log_n = None
+        n = keys.shape[2]
+        if fit or self._keys is None or self._keys.dim() < 4 or n > self.capacity or keys.shape[:2] != self._keys.shape[:2]:
+            self._keys, self._values = keys.clone(), values.clone()
+            self._log_n = None if log_n is None else log_n.to(LOG_N_DTYPE).clone()
+            self._length = n
+            return
+        keys, values = keys.clone(), values.clone()  # they may be views of the buffers themselves
+        log_n = None if log_n is None else log_n.to(LOG_N_DTYPE).clone()
+        self._keys[:, :, :n], self._values[:, :, :n] = keys, values
+        if log_n is None:
+            self._log_n = None
         else:
-            self.log_n = None
-        self.keys, self.values = keys.contiguous(), values.contiguous()
+            if self._log_n is None:
+                self._log_n = torch.zeros(*keys.shape[:2], self.capacity, dtype=LOG_N_DTYPE, device=keys.device)
+            self._log_n[:, :, :n] = log_n
+        self._length = n
 
     def select(self, idx: torch.Tensor, empty: torch.Tensor | None = None) -> None:
         """Keep slots `idx` `(batch, kv_heads, k)`; those flagged in `empty` become empty slots."""
@@ -164,12 +226,10 @@ class SlidingLayer(MergedLayer):
         needed = live & (self.positions > next_pos - self.window)
         start = int(needed.any(0).long().argmax()) if bool(needed.any()) else self.positions.shape[1]
         if start:
-            self.keys, self.values = self.keys[:, :, start:], self.values[:, :, start:]
+            self.drop_first(start)
             self.positions = self.positions[:, start:]
-            if self.log_n is not None:
-                self.log_n = self.log_n[:, :, start:]
-                if not bool(torch.isinf(self.log_n).any()):
-                    self.log_n = None
+            if self.log_n is not None and not bool(torch.isinf(self.log_n).any()):
+                self._log_n = None
         return seen
 
     def reset(self) -> None:

@@ -75,6 +75,7 @@ def generate_ids(model, context_ids, question_ids, method: Method | None = None,
         raise ValueError("a streamer takes a single row")
     session = Session(model, len(contexts), method, tokenizer)
     logits = session.prefill(contexts, window)
+    session.reserve(max(len(q) for q in questions) + max_new_tokens)
     stats = cache_stats(session, contexts, protocol)
     if protocol == "agnostic":
         logits = session.forward(questions, decoding=False)
@@ -90,6 +91,7 @@ def answer_questions(model, context_ids: list[int], questions: list[list[int]], 
         _validate(model, [context_ids], [q], "agnostic", max_new_tokens, method)
     session = Session(model, 1, method, tokenizer)
     session.prefill([list(context_ids)])
+    session.reserve(max(len(q) for q in questions) + max_new_tokens)
     stats = cache_stats(session, [context_ids], "agnostic")
     snapshot = session.snapshot()
     outs = []

@@ -185,8 +185,8 @@ class Session:
 
     # -- batch and state ----------------------------------------------------------------------
     def snapshot(self):
-        """The cache and request state (cache tensors are never modified in place, so references suffice)."""
-        layers = [dict(vars(layer)) for layer in self.cache.layers]
+        """A copy of the cache and request state (the cache's buffers are written in place, so copied)."""
+        layers = [_copied(vars(layer)) for layer in self.cache.layers]
         states = [copy.copy(s) for s in self.states]
         for s in states:
             s.scratch = dict(s.scratch)
@@ -196,10 +196,15 @@ class Session:
         seen, layers, states = snapshot
         self.seen = seen.clone()
         for layer, fields in zip(self.cache.layers, layers):
-            vars(layer).update(fields)
+            vars(layer).update(_copied(fields))
         self.states = [copy.copy(s) for s in states]
         for s in self.states:
             s.scratch = dict(s.scratch)
+
+    def reserve(self, extra: int) -> None:
+        """Room for `extra` more slots in every full-attention layer, so that many appends copy nothing."""
+        for i in self.cache.compressible:
+            self.cache.layers[i].reserve(self.cache.layers[i].entries + extra)
 
     def repeat_rows(self, repeats: int) -> None:
         """Every row repeated `repeats` times (cache, positions and targets)."""
@@ -208,3 +213,8 @@ class Session:
             if state.targets is not None:
                 state.targets = state.targets.repeat_interleave(repeats)
         self.seen = self.seen.repeat_interleave(repeats)
+
+
+def _copied(fields: dict) -> dict:
+    """A layer's attributes with its tensors cloned."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
