@@ -66,6 +66,18 @@ def proportional_attention(module, query, key, value, attention_mask, dropout=0.
     `kvmerge_window` (a sliding layer's window and positions) and `kvmerge_listener`
     `(layer_idx, fn)` come from `MergedCache.update`; with another cache all are None and this is
     stock causal SDPA."""
+    with torch.profiler.record_function("kvmerge::attention"):
+        out = _attention(module, query, key, value, attention_mask, dropout, scaling, kvmerge_log_n,
+                         kvmerge_window, **kwargs)
+    if kvmerge_listener is not None:
+        layer_idx, listener = kvmerge_listener
+        with torch.profiler.record_function("kvmerge::listener"):
+            listener(layer_idx, query)
+    return out, None
+
+
+def _attention(module, query, key, value, attention_mask, dropout, scaling, kvmerge_log_n, kvmerge_window,
+               **kwargs):
     if attention_mask is not None:
         raise ValueError("kvmerge attention builds its own mask; pass no 4D attention_mask "
                          "(for padded batches use kvmerge.generate)")
@@ -82,10 +94,7 @@ def proportional_attention(module, query, key, value, attention_mask, dropout=0.
         if log_n is None:
             log_n = torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device)
         out = biased_sdpa(query, key, value, log_n, scaling, kvmerge_window if window_binds else None)
-    if kvmerge_listener is not None:
-        layer_idx, listener = kvmerge_listener
-        listener(layer_idx, query)
-    return out, None
+    return out
 
 
 def padding_free_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,

@@ -297,6 +297,10 @@ class MergedCache(Cache):
         reach kvmerge's attention through it."""
         layer = self.layers[layer_idx]
         kwargs = {} if kwargs is None else kwargs
+        with torch.profiler.record_function("kvmerge::cache_append"):
+            return self._update(layer, layer_idx, key_states, value_states, kwargs)
+
+    def _update(self, layer, layer_idx, key_states, value_states, kwargs):
         if isinstance(layer, SlidingLayer):
             keys, values, log_n, positions = layer.update(key_states, value_states, self.next_log_n,
                                                           kwargs.get("position_ids"))

@@ -102,12 +102,18 @@ def main(argv: list[str] | None = None) -> int:
 
         bench = _eval("bench")
         model, tok = load_model(args.model)
-        rows = bench.run_bench(model, args.methods, args.budget, args.lengths, args.batches, args.steps, args.out, tok)
+        rows, profiles = bench.run_bench(model, args.methods, args.budget, args.lengths, args.batches, args.steps, args.out, tok)
         cols = ["length", "batch", "method", "ms_per_step", "tokens_per_s", "speedup", "cache_vs_full",
-                "compress_vs_prefill", "peak_extra_mb", "floor_ms", "vs_floor"]
+                "compress_vs_prefill", "peak_extra_mb", "floor_ms", "vs_floor", "bandwidth_gbs"]
         print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
         for r in rows:
             print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+        r = rows[0]
+        print(f"floor = (weights + cache bytes) / copy bandwidth {r['bandwidth_gbs']:.1f} GB/s (best of "
+              f"{r['bandwidth_before_gbs']:.1f} before and {r['bandwidth_after_gbs']:.1f} after the decode runs)")
+        for spec, parts in profiles.items():
+            print(f"profile, {spec}, batch {max(args.batches)} x {max(args.lengths)} tokens, ms/step: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
         o = bench.bias_overhead(model, max(args.lengths), max(args.batches), args.steps)
         print(f"attention alone, biased with log_n = 0 vs stock SDPA, batch {o['batch']} x {o['length']} tokens: "
               f"{o['biased_ms']:.1f} vs {o['stock_ms']:.1f} ms/step ({o['overhead']:+.1%})")

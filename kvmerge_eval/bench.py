@@ -17,8 +17,8 @@ from kvmerge.cache import bytes_per_token
 from . import fidelity
 
 
-def bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
-    """Bytes per second of a large tensor copy (read + write counted)."""
+def bandwidth(mbytes: int = 512, repeats: int = 10) -> float:
+    """Bytes per second of a large tensor copy (read + write counted), the best of `repeats`."""
     a = torch.ones(mbytes * 2**20 // 4)
     b = torch.empty_like(a)
     best = float("inf")
@@ -67,6 +67,7 @@ def prefilled(model, ids, spec, budget, tokenizer=None):
 
 
 def decode_seconds(session, batch, steps, warmup=2) -> float:
+    session.reserve(warmup + steps)
     token = [[7]] * batch
     for _ in range(warmup):
         session.forward(token)
@@ -77,11 +78,12 @@ def decode_seconds(session, batch, steps, warmup=2) -> float:
 
 
 @torch.inference_mode()
-def run_bench(model, methods, budget, lengths, batches, steps, out_dir, tokenizer=None) -> list[dict]:
+def run_bench(model, methods, budget, lengths, batches, steps, out_dir, tokenizer=None):
     """One row per (length, batch, method): decode ms/token, tokens/s, speedup vs full (same run),
     cache bytes, compression/prefill fraction, peak memory, bandwidth floor. Contexts are prose
-    (random ids without a tokenizer)."""
-    bw = bandwidth()
+    (random ids without a tokenizer). The floor's bandwidth is the best of a copy benchmark run before
+    and after the decode runs (both kept in the rows)."""
+    bw_before = bandwidth()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     per_token = bytes_per_token(model.config, next(model.parameters()).dtype)
     rows = []
@@ -102,23 +104,62 @@ def run_bench(model, methods, budget, lengths, batches, steps, out_dir, tokenize
                 sec = decode_seconds(session, batch, steps)
                 session.restore(snap)
                 full_s = sec if spec == "full" else full_s
-                floor = (weights + cache_bytes) / bw
                 rows.append({"length": n, "batch": batch, "method": spec, "budget": 1.0 if spec == "full" else budget,
                              "ms_per_step": 1e3 * sec, "tokens_per_s": batch / sec, "speedup": full_s / sec,
                              "cache_bytes": cache_bytes, "cache_vs_full": cache_bytes / (per_token * n * batch),
                              "compress_vs_prefill": info["compress_s"] / info["prefill_s"],
                              "prefill_s": info["prefill_s"], "compress_s": info["compress_s"],
-                             "peak_extra_mb": info["peak_extra_bytes"] / 2**20,
-                             "floor_ms": 1e3 * floor, "vs_floor": sec / floor, "bandwidth_gbs": bw / 1e9})
+                             "peak_extra_mb": info["peak_extra_bytes"] / 2**20})
+    profiles = {spec: profile_step(session, max(batches)) for spec, (session, _) in list(prepared.items())[:2]}
+    bw_after = bandwidth()
+    bw = max(bw_before, bw_after)
+    for r in rows:
+        floor = (weights + r["cache_bytes"]) / bw
+        r.update(floor_ms=1e3 * floor, vs_floor=r["ms_per_step"] / (1e3 * floor), bandwidth_gbs=bw / 1e9,
+                 bandwidth_before_gbs=bw_before / 1e9, bandwidth_after_gbs=bw_after / 1e9)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(rows, indent=1))
+    (out / "profile.json").write_text(json.dumps({"length": lengths[-1], "batch": max(batches), **profiles}, indent=1))
     with (out / "bench.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     _plot(rows, out)
-    return rows
+    return rows, profiles
+
+
+PARTS = {"kvmerge::attention": "attention", "kvmerge::cache_append": "cache append",
+         "kvmerge::listener": "decode policy"}
+
+
+def profile_step(session, batch: int, steps: int = 4) -> dict:
+    """Where one decode step's time goes (ms per step, from torch.profiler): attention (kvmerge's
+    attention function, bias included), cache append, the decode policy, matrix products outside
+    those (weights), other."""
+    from torch.profiler import ProfilerActivity, profile
+
+    snap = session.snapshot()
+    session.repeat_rows(batch)
+    session.reserve(steps + 1)
+    token = [[7]] * batch
+    session.forward(token)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            session.forward(token)
+    session.restore(snap)
+    events = prof.events()
+    total = sum(e.self_cpu_time_total for e in events)
+    out = {name: 0.0 for name in (*PARTS.values(), "weights (matmul)", "other")}
+    inside = {label: [(e.time_range.start, e.time_range.end) for e in events if e.name == label] for label in PARTS}
+    for e in events:
+        part = PARTS.get(e.name) or next((PARTS[label] for label, spans in inside.items()
+                     if any(a <= e.time_range.start and e.time_range.end <= b for a, b in spans)), None)
+        if part is None:
+            part = "weights (matmul)" if e.name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul",
+                                                    "aten::linear") else "other"
+        out[part] += e.self_cpu_time_total
+    return {k: v / 1e3 / steps for k, v in out.items()} | {"total": total / 1e3 / steps}
 
 
 def bias_overhead(model, length: int, batch: int, steps: int) -> dict:

@@ -132,13 +132,17 @@ def test_bench_writes_side_by_side_rows(tmp_path):
     from kvmerge_eval.bench import bias_overhead, run_bench
 
     tok = _sp_tokenizer()
-    rows = run_bench(tiny_model(vocab_size=len(tok)), ["streamingllm"], 0.25, [256], [1, 2], 2, tmp_path, tok)
+    rows, profiles = run_bench(tiny_model(vocab_size=len(tok)), ["streamingllm"], 0.25, [256], [1, 2], 2, tmp_path, tok)
     assert [(r["batch"], r["method"]) for r in rows] == [(1, "full"), (1, "streamingllm"), (2, "full"),
                                                          (2, "streamingllm")]
     assert all(r["speedup"] == 1.0 for r in rows if r["method"] == "full")
     assert abs(rows[1]["cache_vs_full"] - 0.25) < 0.01 and rows[3]["cache_bytes"] == 2 * rows[1]["cache_bytes"]
     assert (tmp_path / "bench.csv").exists() and (tmp_path / "bench_speedup.png").exists()
     assert bias_overhead(tiny_model(), 128, 2, 2)["biased_ms"] > 0
+    assert all(r["vs_floor"] > 0 and r["bandwidth_gbs"] >= r["bandwidth_before_gbs"] for r in rows)
+    for parts in profiles.values():  # the parts add up to the profiled step
+        assert parts["attention"] > 0 and parts["cache append"] > 0
+        assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"], rel=1e-6)
 
 
 def test_report_marks_tasks_beyond_the_model():
