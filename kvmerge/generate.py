@@ -65,16 +65,18 @@ class Sampling:
 @torch.inference_mode()
 def generate_ids(model, context_ids, question_ids, method: Method | None = None, max_new_tokens: int = 32,
                  protocol: str = "agnostic", eos_token_id: int | None = None, tokenizer=None,
-                 sampling: Sampling | None = None, streamer=None, stop=None) -> GenerationOutput:
+                 sampling: Sampling | None = None, streamer=None, stop=None,
+                 prefill_chunk: int | None = None) -> GenerationOutput:
     """Generation from token ids (one row, or a list of rows run as one padded batch); greedy unless
     `sampling` says otherwise. `streamer` (a transformers streamer: `put`, `end`) receives each new
-    token of a single row; `stop(row_tokens) -> bool` ends a row early."""
+    token of a single row; `stop(row_tokens) -> bool` ends a row early. `prefill_chunk`: prefill and
+    compress that many tokens at a time (bounded memory; see `Session.prefill`)."""
     method = method or get_method("full")
     contexts, questions, window = _validate(model, context_ids, question_ids, protocol, max_new_tokens, method)
     if streamer is not None and len(contexts) > 1:
         raise ValueError("a streamer takes a single row")
     session = Session(model, len(contexts), method, tokenizer)
-    logits = session.prefill(contexts, window)
+    logits = session.prefill(contexts, window, prefill_chunk)
     session.reserve(max(len(q) for q in questions) + max_new_tokens)
     stats = cache_stats(session, contexts, protocol)
     if protocol == "agnostic":
@@ -105,11 +107,11 @@ def answer_questions(model, context_ids: list[int], questions: list[list[int]], 
 def generate(model, tokenizer, context, question, method: Method | str | None = None, max_new_tokens: int = 32,
              protocol: str = "agnostic", chat_template: bool = True, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
-             streamer=None) -> GenerationOutput:
+             streamer=None, prefill_chunk: int | None = None) -> GenerationOutput:
     """Answer `question` about `context` (strings, or equal-length lists run as one batch). Greedy by
     default; `temperature` > 0 samples (with `top_k`, `top_p`, `seed`). Each row stops at the end token
     or after the first of the `stop` strings (cut from the text); `streamer` gets a single row's tokens
-    as they come (e.g. `transformers.TextStreamer(tokenizer)`)."""
+    as they come (e.g. `transformers.TextStreamer(tokenizer)`); `prefill_chunk`: see `generate_ids`."""
     single = isinstance(context, str)
     contexts = [context] if single else list(context)
     questions = [question] if isinstance(question, str) else list(question)
@@ -122,7 +124,8 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
     stopped = (lambda row: any(x in tokenizer.decode(row, skip_special_tokens=True) for x in stop)) if stop else None
     out = generate_ids(model, [p[0] for p in pairs], [p[1] for p in pairs], method, max_new_tokens, protocol,
                        eos_token_id=tokenizer.eos_token_id, tokenizer=tokenizer,
-                       sampling=Sampling(temperature, top_k, top_p, seed), streamer=streamer, stop=stopped)
+                       sampling=Sampling(temperature, top_k, top_p, seed), streamer=streamer, stop=stopped,
+                       prefill_chunk=prefill_chunk)
     texts = [_cut(tokenizer.decode(t, skip_special_tokens=True), stop).strip() for t in out.tokens]
     out.text = texts[0] if single else texts
     if single:

@@ -31,6 +31,7 @@ class Session:
         self.states = [LayerState() for _ in self.cache.layers]
         self._compressible = set(self.cache.compressible)
         self.seen = torch.zeros(batch_size, dtype=torch.long)
+        self.plain = torch.zeros(batch_size, dtype=torch.long)  # trailing slots that are uncompressed tokens
         self.timings: dict = {}
         self._capture = 0  # queries kept per layer during this forward (-1: all)
         self._decoding = False
@@ -68,6 +69,7 @@ class Session:
         finally:
             self.cache.next_log_n = None
         self.seen += lengths
+        self.plain += lengths
         logits = out.logits.float() if all_logits else out.logits[:, -1].float()
         return logits, states[0] if hidden else None, ids, pad
 
@@ -97,18 +99,55 @@ class Session:
             self.method.on_decode(self.cache.layers[layer_idx], query, state)
 
     # -- prefill and compression ------------------------------------------------------------
-    def prefill(self, rows: list[list[int]], window: int | None = None) -> torch.Tensor:
+    def prefill(self, rows: list[list[int]], window: int | None = None, chunk: int | None = None) -> torch.Tensor:
         """Feed the prompts, then compress them with the session's method (None: the cache stays
         full); returns the last-token logits `(batch, vocab)`. Seconds go to `self.timings` (a
-        method's surprisal pass counts as compression, not prefill)."""
+        method's surprisal pass counts as compression, not prefill).
+
+        `chunk`: feed `chunk` tokens at a time and compress after each to the budget of the tokens seen
+        so far, so the cache never holds more than budget + chunk entries per layer and head; the
+        queries a method scores with are the current chunk's."""
         method = self.method
-        t0 = time.perf_counter()
-        logits, surprisal, t1 = self.feed_prompt(rows, 0 if method is None else method.query_window,
-                                                 method is not None and method.needs_surprisal)
-        if method is not None:
-            self.compress(rows, window, surprisal)
-        self.timings = {"prefill_seconds": t1 - t0, "compress_seconds": time.perf_counter() - t1}
-        return logits
+        width = max(len(r) for r in rows)
+        if chunk is not None:
+            self._check_chunk(chunk, window)
+        if chunk is None or chunk >= width:
+            t0 = time.perf_counter()
+            logits, surprisal, t1 = self.feed_prompt(rows, 0 if method is None else method.query_window,
+                                                     method is not None and method.needs_surprisal)
+            if method is not None:
+                self.compress(rows, window, surprisal)
+            self.timings = {"prefill_seconds": t1 - t0, "compress_seconds": time.perf_counter() - t1}
+            return logits
+        self.timings = {"prefill_seconds": 0.0, "compress_seconds": 0.0}
+        last = None
+        for start in range(0, width, chunk):  # each row's own chunks, as if it were alone
+            part = [r[start:start + chunk] for r in rows]
+            t0 = time.perf_counter()
+            logits = self.forward(part, capture=0 if method is None else method.query_window)
+            t1 = time.perf_counter()
+            fed = torch.tensor([len(p) > 0 for p in part])
+            last = logits if last is None else torch.where(fed[:, None].to(logits.device), logits, last)
+            if method is not None:
+                self.compress([r[:start + chunk] for r in rows], window, running=True)
+            self.timings["prefill_seconds"] += t1 - t0
+            self.timings["compress_seconds"] += time.perf_counter() - t1
+        return last
+
+    def _check_chunk(self, chunk, window) -> None:
+        method = self.method
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"prefill chunk must be a positive number of tokens, got {chunk!r}")
+        if method is None or isinstance(method, Full):
+            return
+        protected = method.sinks + (method.window if window is None else window)
+        if chunk < protected:
+            raise ValueError(f"prefill chunk of {chunk} tokens is smaller than the protected sinks + window "
+                             f"({protected}): every chunk would be protected whole")
+        if not method.supports_chunked_prefill:
+            raise ValueError(f"{method.name} cannot compress chunk by chunk: it ranks whole sentences by the "
+                             "surprisal of their tokens, and once a chunk is compressed its entries no longer "
+                             "map to tokens (use a one-shot prefill)")
 
     def feed_prompt(self, rows: list[list[int]], capture: int = 0, surprisal: bool = False):
         """Feed prompts keeping the last `capture` queries per full-attention layer (-1: all);
@@ -137,10 +176,12 @@ class Session:
         return surprisal.masked_fill(pad | torch.nn.functional.pad(pad, (1, 0), value=True)[:, :-1], 0.0)
 
     def compress(self, token_rows: list[list[int]] | None = None, window: int | None = None,
-                 surprisal: torch.Tensor | None = None) -> None:
+                 surprisal: torch.Tensor | None = None, running: bool = False) -> None:
         """Compress every layer with the session's method (at most `method.target(n)` entries per row
         and head; padding slots are stripped per row first). `surprisal` `(batch, width)`, left-padded
-        like the rows, reaches methods as `ctx.surprisal`; captured queries are released afterwards."""
+        like the rows, reaches methods as `ctx.surprisal`; captured queries are released afterwards.
+        `running` (chunked prefill): the target is `method.running_target` of the tokens seen so far,
+        and methods see the ids of the plain tokens not yet compressed only (`ctx.token_ids`)."""
         method = self.method
         window = method.window if window is None else window
         scaling = attention_scaling(self.model.config)
@@ -151,13 +192,14 @@ class Session:
             raise ValueError("this model has sliding-window layers only: its cache is already bounded by the "
                              "window and has no full-attention layer to compress (use the full method)")
         layers, states = [self.cache.layers[i] for i in picked], [self.states[i] for i in picked]
+        compressed = torch.zeros(len(self.seen), dtype=torch.bool)
         first = layers[0]
         n = first.entries
         dense = first.log_n is None  # no padding: every row has the same tokens
+        target = min(method.running_target(int(self.seen.max()), window), n) if running else method.target(n, window)
         method.plan(layers, states, LayerContext(
-            layer_idx=-1, num_layers=len(layers), target=method.target(n, window), sinks=method.sinks,
+            layer_idx=-1, num_layers=len(layers), target=target, sinks=method.sinks,
             window=window, scaling=scaling, rows=torch.arange(first.keys.shape[0]),
-            token_ids=None if token_rows is None or not dense else torch.tensor([r[-n:] for r in token_rows]),
             surprisal=None if surprisal is None or not dense else surprisal[:, -n:]))
         for i, (layer, state) in enumerate(zip(layers, states)):
             state.targets = torch.zeros(layer.keys.shape[0], dtype=torch.long)
@@ -169,19 +211,25 @@ class Session:
                 if state.queries is not None:
                     keep = n if method.query_window < 0 else min(n, method.query_window)
                     queries = state.queries[rows][:, :, -keep:]
+                seen = int(self.seen[rows].max())
+                target = min(method.running_target(seen, window), n) if running else method.target(n, window)
+                fresh = min(n, int(self.plain[rows].min()))
                 ctx = LayerContext(
-                    layer_idx=i, num_layers=len(layers), target=method.target(n, window), sinks=method.sinks,
+                    layer_idx=i, num_layers=len(layers), target=target, sinks=method.sinks,
                     window=window, scaling=scaling, queries=queries, rows=rows, state=state,
-                    token_ids=None if token_rows is None else torch.tensor([token_rows[int(b)][-n:] for b in rows],
-                                                                           device=kv.keys.device),
+                    token_ids=None if token_rows is None else torch.tensor(
+                        [token_rows[int(b)][len(token_rows[int(b)]) - fresh:] for b in rows], device=kv.keys.device),
                     surprisal=None if surprisal is None else surprisal[rows][:, -n:].to(kv.keys.device))
-                state.targets[rows] = ctx.target
-                return kv if ctx.target >= n else method.compress(*kv, ctx)
+                keep = method.layer_target(ctx)
+                state.targets[rows] = keep
+                compressed[rows] |= keep < n
+                return kv if keep >= n or n == 0 else method.compress(*kv, ctx)
 
             layer.map_rows(run)
             state.compressed_at = layer.seen
         for state in self.states:
             state.queries = None
+        self.plain = torch.where(compressed, self.plain.clamp(max=window), self.plain)  # the window stays plain
 
     # -- batch and state ----------------------------------------------------------------------
     def snapshot(self):
@@ -190,11 +238,11 @@ class Session:
         states = [copy.copy(s) for s in self.states]
         for s in states:
             s.scratch = dict(s.scratch)
-        return self.seen.clone(), layers, states
+        return (self.seen.clone(), self.plain.clone()), layers, states
 
     def restore(self, snapshot) -> None:
-        seen, layers, states = snapshot
-        self.seen = seen.clone()
+        (seen, plain), layers, states = snapshot
+        self.seen, self.plain = seen.clone(), plain.clone()
         for layer, fields in zip(self.cache.layers, layers):
             vars(layer).update(_copied(fields))
         self.states = [copy.copy(s) for s in states]
@@ -213,6 +261,7 @@ class Session:
             if state.targets is not None:
                 state.targets = state.targets.repeat_interleave(repeats)
         self.seen = self.seen.repeat_interleave(repeats)
+        self.plain = self.plain.repeat_interleave(repeats)
 
 
 def _copied(fields: dict) -> dict:

@@ -31,8 +31,9 @@ class LayerState:
 class LayerContext:
     """What a method sees besides one layer's keys, values and log_n.
 
-    `token_ids` `(batch, slots)` are the ids of the cached plain tokens (prefill only), `surprisal` their
-    −log p given the prefix (when the method sets `needs_surprisal`); `queries`
+    `token_ids` `(batch, fresh)` are the ids of the last `fresh` slots, plain tokens not yet compressed
+    (all slots at a one-shot prefill; the new chunk and the previous window under chunked prefill),
+    `surprisal` their −log p given the prefix (when the method sets `needs_surprisal`); `queries`
     `(batch, heads, n, head_dim)` are the captured post-RoPE prompt queries (the last `n`); `rows`
     which batch rows these are; `state` the layer's request state.
     """
@@ -70,6 +71,7 @@ class Method:
     query_window: ClassVar[int] = 0
     needs_surprisal: ClassVar[bool] = False
     has_decode_policy: ClassVar[bool] = False
+    supports_chunked_prefill: ClassVar[bool] = True  # False: needs every cached entry's token
 
     def __post_init__(self):
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
@@ -94,6 +96,17 @@ class Method:
             raise ValueError(f"context too short for budget {self.budget}: {n_tokens} tokens give {want} entries, "
                              f"fewer than the protected sinks + window ({self.sinks} + {window})")
         return want
+
+    def running_target(self, n_tokens: int, window: int | None = None) -> int:
+        """`target` for a cache that has seen `n_tokens` so far (chunked prefill): never below the
+        protected sinks + window, so early chunks are kept whole instead of refused."""
+        window = self.window if window is None else window
+        want = round(self.budget * n_tokens) if isinstance(self.budget, float) else self.budget
+        return min(max(want, self.sinks + window, 1), n_tokens)
+
+    def layer_target(self, ctx: LayerContext) -> int:
+        """Entries this layer keeps (per-layer budgets override this; the mean stays `ctx.target`)."""
+        return ctx.target
 
     def setup(self, model, tokenizer) -> None:
         """Called once per request before prefill (e.g. to build token tables)."""
@@ -120,9 +133,6 @@ class ScoringMethod(Method):
     def scores(self, keys, log_n, ctx: LayerContext) -> torch.Tensor:
         """`(b, h, s)`: higher is kept first."""
         raise NotImplementedError
-
-    def layer_target(self, ctx: LayerContext) -> int:
-        return ctx.target
 
     def compress(self, keys, values, log_n, ctx):
         idx = top_slots(self.scores(keys, log_n, ctx), self.layer_target(ctx), ctx.sinks, ctx.window)

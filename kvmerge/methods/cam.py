@@ -47,7 +47,8 @@ def merge_evicted_values(values, scores, idx, m: int, sinks: int = 0, sample: bo
     mean = (window.sum(-1) + sink_sum) / (inside.sum(-1) + sinks).clamp_min(1)
     p = (a / mean.clamp_min(1e-30)).clamp(0, 1) * ~kept
     if sample:
-        p = torch.bernoulli(p, generator=torch.Generator(device=p.device).manual_seed(seed))
+        # one generator per row, so that a row's draws do not depend on the rows batched with it
+        p = torch.stack([torch.bernoulli(row, generator=torch.Generator(device=p.device).manual_seed(seed)) for row in p])
     share = values.float() * (p / m)[..., None]
     out = values.float().clone()
     for o in range(1, min(m, s - 1) + 1):  # position i + o receives share i

@@ -48,7 +48,7 @@ class D2O(Method):
         density = []
         for layer, state in zip(layers, states):
             q = state.queries[:, :, -self.obs_window:]
-            received = received_attention(q, layer.keys, ctx.scaling, layer.full_log_n())  # (b, h, s)
+            received = received_attention(q, layer.keys, ctx.scaling, layer.full_log_n()).nan_to_num()  # (b, h, s); a row of padding only gives NaN
             density.append(1.0 / float(received.var(-1).mean().clamp_min(1e-12)))
         scale = torch.tensor(density) / (sum(density) / len(density))
         for _ in range(8):  # clip, renormalise the rest
@@ -56,10 +56,13 @@ class D2O(Method):
             scale = scale / scale.mean()
         self._scale, self._tau = scale.tolist(), None
 
+    def layer_target(self, ctx):
+        scale = self._scale[ctx.layer_idx] if self._scale else 1.0
+        return max(round(ctx.target * scale), ctx.sinks + ctx.window)
+
     def compress(self, keys, values, log_n, ctx):
         n = keys.shape[2]
-        scale = self._scale[ctx.layer_idx] if self._scale else 1.0
-        target = min(max(round(ctx.target * scale), min(ctx.sinks + ctx.window, n)), n)
+        target = min(self.layer_target(ctx), n)
         scores = self.base.scores(keys, log_n, ctx)
         idx = top_slots(scores, target, ctx.sinks, ctx.window)
         kept = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)

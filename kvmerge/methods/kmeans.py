@@ -14,15 +14,16 @@ from .registry import register
 class KMeans(Method):
     """Per layer and KV head, the region between sinks and window is clustered into k = budget −
     protected clusters by `iters` Lloyd iterations on keys; each cluster becomes its mass-weighted
-    centroid (keys and values) with log-mass in the logits. Cost O(iters · n · k · d) per head."""
+    centroid (keys and values) with log-mass in the logits (at least one cluster: mass is never
+    dropped). Cost O(iters · n · k · d) per head."""
 
     iters: int = 5
     name = "kmeans"
 
     def compress(self, keys, values, log_n, ctx):
         sinks, middle, recent = KV(keys, values, log_n).split(ctx.sinks, ctx.window)
-        k = ctx.target - sinks.slots - recent.slots
-        if k <= 0:
-            return KV.cat(sinks, recent)
+        k = max(ctx.target - sinks.slots - recent.slots, 1)  # no room: one cluster keeps the middle's mass
+        if middle.slots <= k:
+            return KV(keys, values, log_n)
         assign = lloyd(middle.keys, middle.log_n, k, self.iters)
         return KV.cat(sinks, merge_clusters(*middle, assign, k), recent)

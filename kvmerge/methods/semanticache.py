@@ -71,8 +71,8 @@ class SemantiCache(Method):
 
     def compress(self, keys, values, log_n, ctx):
         b, h, s, d = keys.shape
-        lo, hi = min(ctx.sinks, s), max(min(ctx.sinks, s), s - ctx.window)
-        rep = self._representatives(keys, ctx)
+        lo, hi = self._middle(s, ctx)
+        rep = self._representatives(keys, ctx, lo, hi)
         rep_full = torch.arange(s, device=keys.device).expand(b, h, s).clone()
         rep_full[:, :, lo:hi] = rep + lo
         is_rep = rep_full == torch.arange(s, device=keys.device)
@@ -83,16 +83,24 @@ class SemantiCache(Method):
             merged = merged._replace(log_n=torch.where(torch.isfinite(merged.log_n), 0.0, merged.log_n))
         return merged
 
-    def _representatives(self, keys, ctx):
-        """Representative index `(b, h, n)` of each middle token."""
+    @staticmethod
+    def _middle(s: int, ctx) -> tuple[int, int]:
+        """The slots clustered: between sinks and window, and (chunked prefill) only among the plain
+        tokens not yet compressed; earlier cores stay as they are."""
+        fresh = s if ctx.token_ids is None else ctx.token_ids.shape[1]
+        lo = max(min(ctx.sinks, s), s - fresh)
+        return lo, max(lo, s - ctx.window)
+
+    def _representatives(self, keys, ctx, lo, hi):
+        """Representative index `(b, h, hi - lo)` of each middle token."""
         b, h, s, d = keys.shape
-        lo, hi = min(ctx.sinks, s), max(min(ctx.sinks, s), s - ctx.window)
         n = hi - lo
         allow = ctx.target - lo - (s - hi)
         if self.chunking == "delimiter":
             if ctx.token_ids is None:
                 raise ValueError("SemantiCache needs the token ids of the context (compress at prefill)")
-            kinds = self._table.to(keys.device)[ctx.token_ids[:, lo:hi]]
+            first = s - ctx.token_ids.shape[1]
+            kinds = self._table.to(keys.device)[ctx.token_ids[:, lo - first:hi - first]]
         else:
             kinds = torch.zeros(b, n, dtype=torch.int8, device=keys.device)
         for level, (is_anchor, cap) in enumerate(self._levels(kinds, n)):

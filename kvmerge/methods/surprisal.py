@@ -18,6 +18,7 @@ class Surprisal(ScoringMethod):
 
     name = "surprisal"
     needs_surprisal = True
+    supports_chunked_prefill = False
 
     def setup(self, model, tokenizer):
         if tokenizer is None:

@@ -1,0 +1,98 @@
+"""Chunked prefill: the context fed `chunk` tokens at a time, compressed after each chunk."""
+
+import pytest
+import torch
+
+import kvmerge
+
+from .conftest import TinyTokenizer, random_ids, tiny_model
+from .test_hybrid import gemma3
+
+CHUNKED = sorted(set(kvmerge.available_methods()) - {"full", "surprisal", "surprisemerge"})
+
+
+@pytest.mark.parametrize("build", [tiny_model, gemma3])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_full_cache_chunked_equals_one_shot_at_any_chunk_size(build, chunk):
+    model = build()
+    ids = random_ids(150, seed=1)
+    logits = []
+    for c in (None, chunk):
+        s = kvmerge.Session(model, 1, kvmerge.get_method("full"))
+        with torch.no_grad():
+            logits.append(torch.cat([s.prefill([ids], chunk=c), s.forward([[5, 6]]), s.forward([[7]])]))
+    assert torch.allclose(logits[0], logits[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "centroidkv", "semanticache"])
+def test_a_chunk_as_long_as_the_context_is_one_shot_compression(name):
+    model = tiny_model()
+    m = kvmerge.get_method(name, budget=0.25, window=8)
+    ctx, q = random_ids(160, seed=2), [3, 4]
+    tok = TinyTokenizer()
+    one_shot = kvmerge.generate_ids(model, ctx, q, m, max_new_tokens=8, tokenizer=tok)
+    chunked = kvmerge.generate_ids(model, ctx, q, m, max_new_tokens=8, tokenizer=tok, prefill_chunk=160)
+    assert chunked.tokens == one_shot.tokens and chunked.stats["cache_entries"] == one_shot.stats["cache_entries"]
+
+
+@pytest.mark.parametrize("name", CHUNKED)
+def test_the_cache_never_holds_more_than_budget_plus_a_chunk(name):
+    model = tiny_model()
+    m = kvmerge.get_method(name, budget=0.25, window=8)
+    s = kvmerge.Session(model, 2, m, TinyTokenizer())
+    peaks = []
+    compress = s.compress
+
+    def watched(token_rows, *args, **kwargs):  # entries held just before each compression
+        peaks.append((int(s.seen.max()), max(s.cache.entries)))
+        compress(token_rows, *args, **kwargs)
+
+    s.compress = watched
+    with torch.no_grad():
+        s.prefill([random_ids(400, seed=3), random_ids(330, seed=4)], chunk=64)
+        final = s.cache.entries
+    assert len(peaks) == 7
+    for (seen, held), (before, _) in zip(peaks[1:], peaks):
+        assert held <= m.running_target(before) + 64 + (2 if name in ("pyramidkv", "d2o") else 0) * m.running_target(before)
+    per_layer = m.target(400)
+    assert (sum(final) <= 2 * per_layer + 2) if name in ("pyramidkv", "d2o") else max(final) <= per_layer
+
+
+def test_merging_methods_conserve_the_mass_of_every_token_seen_across_chunks():
+    model = tiny_model()
+    for name in ("centroidkv", "semanticache", "kmeans"):
+        s = kvmerge.Session(model, 1, kvmerge.get_method(name, budget=0.25, window=8), TinyTokenizer())
+        with torch.no_grad():
+            s.prefill([random_ids(300, seed=5)], chunk=50)
+        for layer in s.cache.layers:
+            assert round(float(layer.mass().sum())) == 300 * 2, name  # 2 KV heads
+            assert layer.entries <= kvmerge.get_method(name, budget=0.25, window=8).target(300) or name == "semanticache"
+
+
+@pytest.mark.parametrize("name", CHUNKED)
+def test_ragged_batch_chunked_equals_one_at_a_time(name):
+    model = tiny_model()
+    m = kvmerge.get_method(name, budget=0.3, window=8)
+    ctx, qs = [random_ids(200, seed=6), random_ids(130, seed=7)], [[3, 4], [5]]
+    tok = TinyTokenizer()
+    batch = kvmerge.generate_ids(model, ctx, qs, m, max_new_tokens=6, tokenizer=tok, prefill_chunk=48)
+    alone = [kvmerge.generate_ids(model, c, q, m, max_new_tokens=6, tokenizer=tok, prefill_chunk=48).tokens[0]
+             for c, q in zip(ctx, qs)]
+    assert batch.tokens == alone
+
+
+def test_bad_chunks_and_unsupported_methods_get_clear_errors():
+    model = tiny_model()
+    ctx = random_ids(200)
+    snap = kvmerge.get_method("snapkv", budget=0.25, window=8)
+    for chunk in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="positive number of tokens"):
+            kvmerge.generate_ids(model, ctx, [3], snap, prefill_chunk=chunk)
+    with pytest.raises(ValueError, match="smaller than the protected sinks"):
+        kvmerge.generate_ids(model, ctx, [3], snap, prefill_chunk=10)
+    with pytest.raises(ValueError, match="below the protected sinks"):
+        kvmerge.get_method("snapkv", budget=10, window=8)
+    for name in ("surprisal", "surprisemerge"):
+        with pytest.raises(ValueError, match="cannot compress chunk by chunk"):
+            kvmerge.generate_ids(model, ctx, [3], kvmerge.get_method(name, budget=0.25, window=8),
+                                 tokenizer=TinyTokenizer(), prefill_chunk=64)
