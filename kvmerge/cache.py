@@ -317,6 +317,12 @@ class MergedCache(Cache):
         return sum(layer.nbytes for layer in self.layers)
 
     @property
+    def allocated_bytes(self) -> int:
+        """Bytes the layers' buffers take, spare capacity included."""
+        return sum(x.numel() * x.element_size() for layer in self.layers
+                   for x in (layer._keys, layer._values, layer._log_n) if x is not None)
+
+    @property
     def entries(self) -> list[int]:
         return [layer.entries for layer in self.layers]
 

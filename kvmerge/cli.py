@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stop", type=_csv(str), default=None, help="comma-separated stop strings")
     gen.add_argument("--model", default=None, help="local folder, .gguf or model id (default: bundled SmolLM2)")
     gen.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    gen.add_argument("--prefill-chunk", type=int, default=None, help="prefill and compress N tokens at a time")
 
     ev = sub.add_parser("eval", help="accuracy / fidelity per method and budget on a task")
     ev.add_argument("--task", choices=["niah", "ruler", "fidelity", "code"], default="niah")
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--limit", type=int, default=None, help="run only the first N samples")
     ev.add_argument("--protocol", choices=["agnostic", "aware"], default="agnostic")
     ev.add_argument("--text", default=None, help="UTF-8 file to use instead of the built-in prose")
+    ev.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prefill and compress N tokens at a time (rows named <method>@chunk<N>)")
     ev.add_argument("--out", default="results")
     ev.add_argument("--model", default=None, help="gemma3-270m, a local folder, .gguf or model id (default: SmolLM2)")
 
@@ -72,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--batches", type=_csv(int), default=[1, 4, 8])
     bench.add_argument("--steps", type=int, default=32)
     bench.add_argument("--out", default="results/bench")
+    bench.add_argument("--memory", action="store_true",
+                       help="peak cache and process memory of the prefill instead (full, one-shot, chunked; "
+                            "the first method), each in a fresh process")
+    bench.add_argument("--prefill-chunk", type=int, default=1024, help="the chunk of --memory's chunked rows")
     bench.add_argument("--model", default=None, help="gemma3-270m, a local folder, .gguf or model id (default: SmolLM2)")
 
     rep = sub.add_parser("report", help="tables and plots of a results folder")
@@ -95,11 +102,16 @@ def main(argv: list[str] | None = None) -> int:
         runner, report = _eval("runner"), _eval("report")
         model, tok = load_model(args.model)
         runner.run(args.task, model, tok, args.methods, args.budgets, args.lengths, args.samples, args.out,
-                   args.protocol, args.text, args.limit, args.subtasks)
+                   args.protocol, args.text, args.limit, args.subtasks, args.prefill_chunk)
         print(report.report(args.out, plots=False))
     elif args.command == "bench":
         from .model import load_model
 
+        if args.memory:
+            memory = _eval("memory")
+            print(memory.HEADER)
+            memory.table(args.model, args.methods[0], args.budget, args.lengths, args.prefill_chunk)
+            return 0
         bench = _eval("bench")
         model, tok = load_model(args.model)
         rows, profiles = bench.run_bench(model, args.methods, args.budget, args.lengths, args.batches, args.steps, args.out, tok)
@@ -134,7 +146,7 @@ def _generate(args) -> None:
     method = method_from_spec(args.method, args.budget)
     out = generate(model, tok, text, args.question, method, args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-                   streamer=TextStreamer(tok, skip_special_tokens=True))
+                   streamer=TextStreamer(tok, skip_special_tokens=True), prefill_chunk=args.prefill_chunk)
     st = out.stats
     print(f"[{st['method']}: {st['context_tokens']} context tokens, cache {st['cache_bytes'] / 2**20:.1f} MiB of "
           f"{st['full_cache_bytes'] / 2**20:.1f} MiB, prefill {st['prefill_seconds']:.1f} s, "

@@ -32,6 +32,7 @@ class Session:
         self._compressible = set(self.cache.compressible)
         self.seen = torch.zeros(batch_size, dtype=torch.long)
         self.plain = torch.zeros(batch_size, dtype=torch.long)  # trailing slots that are uncompressed tokens
+        self.peak_cache_bytes = 0  # the most the cache's buffers held after a forward
         self.timings: dict = {}
         self._capture = 0  # queries kept per layer during this forward (-1: all)
         self._decoding = False
@@ -70,6 +71,7 @@ class Session:
             self.cache.next_log_n = None
         self.seen += lengths
         self.plain += lengths
+        self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache.allocated_bytes)
         logits = out.logits.float() if all_logits else out.logits[:, -1].float()
         return logits, states[0] if hidden else None, ids, pad
 

@@ -42,24 +42,27 @@ def _key(method, budget, meta) -> tuple:
 
 
 def run(task, model, tok, methods, budgets, lengths, samples, out_dir, protocol="agnostic", text=None,
-        limit=None, subtasks=None) -> list[dict]:
+        limit=None, subtasks=None, prefill_chunk=None) -> list[dict]:
     """Append one JSON line per (method, budget, sample) to `out_dir/<task>.jsonl`, skipping finished
-    ones; then write `<task>_summary.csv/json`. Returns the summary rows."""
+    ones; then write `<task>_summary.csv/json`. Returns the summary rows. `prefill_chunk`: chunked
+    prefill, recorded as method `<spec>@chunk<N>` so that its rows stand beside one-shot ones."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{task}.jsonl"
     done = {_key(r["method"], r["budget"], r) for r in _read(path)}
+    label = (lambda m: f"{m}@chunk{prefill_chunk}") if prefill_chunk else (lambda m: m)
     data = build_samples(task, tok, lengths, samples, text, subtasks)[:limit]
     for m in methods:
         method_from_spec(m, budgets[0])  # unknown names and parameters fail now, not an hour in
     configs = [(m, b) for m in methods for b in ([1.0] if m == "full" else budgets)]
     (out / f"{task}_config.json").write_text(json.dumps(
         {"task": task, "methods": methods, "budgets": budgets, "lengths": lengths, "samples": samples,
-         "protocol": protocol, "text": text, "limit": limit, "subtasks": subtasks}, indent=1))
-    todo = [(s, m, b) for s in data for m, b in configs if _key(m, b, s.meta) not in done]
+         "protocol": protocol, "text": text, "limit": limit, "subtasks": subtasks, "prefill_chunk": prefill_chunk},
+        indent=1))
+    todo = [(s, m, b) for s in data for m, b in configs if _key(label(m), b, s.meta) not in done]
     with path.open("a") as f, tqdm(total=len(todo), desc=task, unit="run") as bar:
         for prompt, jobs in _by_prompt(task, tok, todo, protocol).items():
-            for row in _run_prompt(task, model, tok, list(prompt), jobs, protocol):
+            for row in _run_prompt(task, model, tok, list(prompt), jobs, protocol, prefill_chunk):
                 f.write(json.dumps(row) + "\n")
                 f.flush()
                 bar.update(1)
@@ -93,14 +96,14 @@ def _by_prompt(task, tok, todo, protocol) -> dict:
     return groups
 
 
-def _run_prompt(task, model, tok, ctx, jobs, protocol):
+def _run_prompt(task, model, tok, ctx, jobs, protocol, chunk=None):
     configs = list(dict.fromkeys((m, b) for _, m, b, _ in jobs))
     question = 0  # under the aware protocol the question stays inside the protected window
     if protocol == "aware" and task != "fidelity":
         question = len(prompt_ids(tok, jobs[0][0])[1])
     rows = []
-    for spec, budget, session, logits in compressed_once(model, tok, [ctx], configs, question):
-        base = {"method": spec, "budget": budget}
+    for spec, budget, session, logits in compressed_once(model, tok, [ctx], configs, question, chunk):
+        base = {"method": f"{spec}@chunk{chunk}" if chunk else spec, "budget": budget}
         mine = [(s, q) for s, m, b, q in jobs if (m, b) == (spec, budget)]
         if task == "fidelity":
             for s, _ in mine:

@@ -12,13 +12,21 @@ from kvmerge import Session, method_from_spec
 
 
 @torch.inference_mode()
-def compressed_once(model, tok, rows: list[list[int]], configs: list[tuple[str, float]], min_window: int = 0):
+def compressed_once(model, tok, rows: list[list[int]], configs: list[tuple[str, float]], min_window: int = 0,
+                    chunk: int | None = None):
     """Yield `(spec, budget, session, logits)` for each `(spec, budget)`: the session holds `rows`
     compressed by that method (`session.timings`: the shared prefill, and this method's compression
     plus the surprisal pass if it uses it); `logits` are the prompts' last-token logits. The session
     is reused: consume each before asking for the next. Each method protects at least the last
-    `min_window` tokens (the question, under the question-aware protocol)."""
+    `min_window` tokens (the question, under the question-aware protocol). With `chunk` (chunked
+    prefill, where compression happens between chunks) each method prefills on its own."""
     methods = [(spec, budget, method_from_spec(spec, budget)) for spec, budget in configs]
+    if chunk is not None:
+        for spec, budget, method in methods:
+            session = Session(model, len(rows), method, tok)
+            logits = session.prefill(rows, max(method.window, min_window), chunk)
+            yield spec, budget, session, logits
+        return
     session = Session(model, len(rows))
     t0 = time.perf_counter()
     wants_surprisal = any(m.needs_surprisal for *_, m in methods)
