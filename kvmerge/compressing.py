@@ -78,6 +78,8 @@ class Compressor:
             session, ids, hidden = self._pending
             self._pending = None
             session.seen += ids.shape[1]
+            session.plain += ids.shape[1]
+            session.captured += ids.shape[1]
             surprisal = None
             if self.method.needs_surprisal:
                 surprisal = session.surprisal_of(hidden[0], ids.cpu(), torch.zeros(ids.shape, dtype=torch.bool))

@@ -33,6 +33,7 @@ class Session:
         self.seen = torch.zeros(batch_size, dtype=torch.long)
         self.plain = torch.zeros(batch_size, dtype=torch.long)  # trailing slots that are uncompressed tokens
         self.peak_cache_bytes = 0  # the most the cache's buffers held after a forward
+        self.captured = torch.zeros(batch_size, dtype=torch.long)  # each row's real tokens among captured queries
         self.timings: dict = {}
         self._capture = 0  # queries kept per layer during this forward (-1: all)
         self._decoding = False
@@ -71,6 +72,8 @@ class Session:
             self.cache.next_log_n = None
         self.seen += lengths
         self.plain += lengths
+        if capture:
+            self.captured += lengths
         self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache.allocated_bytes)
         logits = out.logits.float() if all_logits else out.logits[:, -1].float()
         return logits, states[0] if hidden else None, ids, pad
@@ -211,14 +214,15 @@ class Session:
                 n = kv.slots
                 queries = None
                 if state.queries is not None:
-                    keep = n if method.query_window < 0 else min(n, method.query_window)
-                    queries = state.queries[rows][:, :, -keep:]
+                    keep = min(int(self.captured[rows].min()), state.queries.shape[2])
+                    keep = keep if method.query_window < 0 else min(keep, method.query_window)
+                    queries = state.queries[rows][:, :, state.queries.shape[2] - keep:]
                 seen = int(self.seen[rows].max())
                 target = min(method.running_target(seen, window), n) if running else method.target(n, window)
                 fresh = min(n, int(self.plain[rows].min()))
                 ctx = LayerContext(
                     layer_idx=i, num_layers=len(layers), target=target, sinks=method.sinks,
-                    window=window, scaling=scaling, queries=queries, rows=rows, state=state,
+                    window=window, scaling=scaling, queries=queries, rows=rows, state=state, values=kv.values, seen=seen,
                     token_ids=None if token_rows is None else torch.tensor(
                         [token_rows[int(b)][len(token_rows[int(b)]) - fresh:] for b in rows], device=kv.keys.device),
                     surprisal=None if surprisal is None else surprisal[rows][:, -n:].to(kv.keys.device))
@@ -231,6 +235,7 @@ class Session:
             state.compressed_at = layer.seen
         for state in self.states:
             state.queries = None
+        self.captured.zero_()
         self.plain = torch.where(compressed, self.plain.clamp(max=window), self.plain)  # the window stays plain
 
     # -- batch and state ----------------------------------------------------------------------
@@ -240,11 +245,11 @@ class Session:
         states = [copy.copy(s) for s in self.states]
         for s in states:
             s.scratch = dict(s.scratch)
-        return (self.seen.clone(), self.plain.clone()), layers, states
+        return (self.seen.clone(), self.plain.clone(), self.captured.clone()), layers, states
 
     def restore(self, snapshot) -> None:
-        (seen, plain), layers, states = snapshot
-        self.seen, self.plain = seen.clone(), plain.clone()
+        (seen, plain, captured), layers, states = snapshot
+        self.seen, self.plain, self.captured = seen.clone(), plain.clone(), captured.clone()
         for layer, fields in zip(self.cache.layers, layers):
             vars(layer).update(_copied(fields))
         self.states = [copy.copy(s) for s in states]
@@ -264,6 +269,7 @@ class Session:
                 state.targets = state.targets.repeat_interleave(repeats)
         self.seen = self.seen.repeat_interleave(repeats)
         self.plain = self.plain.repeat_interleave(repeats)
+        self.captured = self.captured.repeat_interleave(repeats)
 
 
 def _copied(fields: dict) -> dict:

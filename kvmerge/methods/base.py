@@ -34,8 +34,9 @@ class LayerContext:
     `token_ids` `(batch, fresh)` are the ids of the last `fresh` slots, plain tokens not yet compressed
     (all slots at a one-shot prefill; the new chunk and the previous window under chunked prefill),
     `surprisal` their −log p given the prefix (when the method sets `needs_surprisal`); `queries`
-    `(batch, heads, n, head_dim)` are the captured post-RoPE prompt queries (the last `n`); `rows`
-    which batch rows these are; `state` the layer's request state.
+    `(batch, heads, n, head_dim)` are the captured post-RoPE prompt queries (the last `n` tokens seen);
+    `values` the layer's values (for scores weighted by them); `seen` the tokens these rows have seen;
+    `rows` which batch rows these are; `state` the layer's request state.
     """
 
     layer_idx: int
@@ -49,6 +50,8 @@ class LayerContext:
     rows: torch.Tensor | None = None
     surprisal: torch.Tensor | None = None
     state: LayerState | None = None
+    values: torch.Tensor | None = None
+    seen: int = 0
 
 
 @dataclass

@@ -1,0 +1,83 @@
+"""Expected Attention (Devoto et al., 2025, arXiv 2510.00636; as kvpress's ExpectedAttentionPress)."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from .base import ScoringMethod
+from .registry import register
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+@register
+@dataclass
+class ExpectedAttention(ScoringMethod):
+    """Future queries are modelled as a Gaussian: the mean μ and covariance Σ of the prompt's pre-RoPE
+    queries (all captured positions but the first `n_sink`), per query head, carried through R̄, the
+    mean RoPE rotation over the next `n_future` positions (μ̄ = R̄μ, Σ̄ = R̄ΣR̄ᵀ). A key scores its
+    expected attention softmax_j(s·μ̄·k_j + ½s²·k_jᵀΣ̄k_j) over the non-sink entries (s the model's
+    attention scale, log-mass added), averaged over the KV group's query heads, then
+    (score + `epsilon`) · ‖v_j‖ if `use_vnorm`."""
+
+    n_future: int = 512
+    n_sink: int = 4
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0
+    name = "expected_attention"
+    query_window = -1
+
+    def setup(self, model, tokenizer):
+        rotary = model.get_decoder().rotary_emb
+        typed = "layer_type" in inspect.signature(rotary.forward).parameters  # Gemma 3: per layer type
+        probe = next(model.parameters())
+
+        def cos_sin(positions: torch.Tensor):
+            ids = positions[None].to(probe.device)
+            x = torch.zeros((), dtype=torch.float32, device=probe.device)
+            cos, sin = rotary(x, ids, "full_attention") if typed else rotary(x, ids)
+            return cos[0].float(), sin[0].float()
+
+        self._cos_sin = cos_sin
+
+    def statistics(self, queries: torch.Tensor, seen: int):
+        """Post-RoPE queries `(b, hq, n, d)` of positions seen − n … seen − 1 → (μ̄ `(b, hq, d)`,
+        Σ̄ `(b, hq, d, d)`) of their pre-RoPE values, averaged over the next `n_future` rotations."""
+        n = queries.shape[2]
+        positions = torch.arange(seen - n, seen)
+        cos, sin = self._cos_sin(positions)
+        q = queries.float()
+        pre = (q * cos - rotate_half(q) * sin) / (cos ** 2 + sin ** 2)  # undo each position's rotation
+        pre = pre[:, :, positions >= self.n_sink]
+        mu = pre.mean(2)
+        centred = pre - mu[:, :, None]
+        sigma = centred.transpose(-1, -2) @ centred / max(pre.shape[2], 1)
+        cos_f, sin_f = self._cos_sin(torch.arange(seen, seen + self.n_future))
+        c, s = cos_f.mean(0), sin_f.mean(0)
+        d = mu.shape[-1]
+        rot = torch.diag(c) + torch.diag(s) @ rotate_half(torch.eye(d, device=mu.device)).T  # R̄ x = c⊙x + s⊙rot(x)
+        return mu * c + rotate_half(mu) * s, rot @ sigma @ rot.T
+
+    def scores(self, keys, log_n, ctx):
+        if ctx.queries is None or ctx.values is None:
+            raise ValueError("expected_attention needs the prompt's queries and the cached values (prefill)")
+        b, hkv, slots, d = keys.shape
+        mu, sigma = self.statistics(ctx.queries, ctx.seen or slots)
+        hq = mu.shape[1]
+        k = keys.float().repeat_interleave(hq // hkv, dim=1)  # (b, hq, s, d)
+        z = ctx.scaling * torch.einsum("bhd,bhsd->bhs", mu, k)
+        if self.use_covariance:
+            z = z + 0.5 * ctx.scaling ** 2 * torch.einsum("bhsd,bhde,bhse->bhs", k, sigma, k)
+        z = z + log_n.float().repeat_interleave(hq // hkv, dim=1)
+        z[..., :min(self.n_sink, slots)] = float("-inf")
+        probs = z.softmax(-1).view(b, hkv, hq // hkv, slots).mean(2)
+        if self.use_vnorm:
+            probs = (probs + self.epsilon) * ctx.values.float().norm(dim=-1)
+        return probs
