@@ -4,7 +4,6 @@ import json
 import re
 
 import pytest
-import torch
 
 import kvmerge
 from kvmerge_eval import code, fidelity, niah, ruler

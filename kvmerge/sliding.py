@@ -1,0 +1,75 @@
+"""Sliding-window layers of hybrid models (Gemma 3, Mistral-style): kept exactly as transformers keeps
+them, never compressed, with the positions their window mask needs."""
+
+from __future__ import annotations
+
+import torch
+
+from .layer import MergedLayer
+
+
+class SlidingLayer(MergedLayer):
+    """A sliding-window layer, kept exactly as transformers keeps it: never compressed, it holds the
+    slots the next queries can still see (each row's last `window` − 1 positions). `positions`
+    `(batch, slots)` are the slots' true positions, which the attention's window mask reads."""
+
+    is_sliding = True
+
+    def __init__(self, window: int, **kwargs):
+        super().__init__(**kwargs)
+        self.window = window
+        self.positions: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, new_log_n=None, new_positions=None):
+        """Append; returns (keys, values, log_n or None, positions) of every slot this step attends to,
+        then drops the slots no later query can see."""
+        b, _h, q, _d = key_states.shape
+        if new_positions is None:
+            new_positions = self.seen + torch.arange(q, device=key_states.device).expand(b, q)
+        keys, values = super().update(key_states, value_states, new_log_n)
+        new_positions = new_positions.to(key_states.device).expand(b, q)
+        self.positions = new_positions if self.positions is None else torch.cat([self.positions, new_positions], -1)
+        seen = (keys, values, self.log_n, self.positions)
+        live = torch.ones_like(self.positions, dtype=torch.bool) if self.log_n is None else ~torch.isinf(self.log_n[:, 0])
+        next_pos = self.positions.masked_fill(~live, -1).amax(-1, keepdim=True) + 1
+        needed = live & (self.positions > next_pos - self.window)
+        start = int(needed.any(0).long().argmax()) if bool(needed.any()) else self.positions.shape[1]
+        if start:
+            self.drop_first(start)
+            self.positions = self.positions[:, start:]
+            if self.log_n is not None and not bool(torch.isinf(self.log_n).any()):
+                self._log_n = None
+        return seen
+
+    def reset(self) -> None:
+        super().reset()
+        self.positions = None
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.positions is not None:
+            self.positions = self.positions[indices]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.positions is not None:
+            self.positions = self.positions.repeat_interleave(repeats, dim=0)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.positions is not None:
+            self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per decoder layer: its sliding window, or None for full attention (what transformers' own
+    `DynamicCache(config=...)` would build). Raises on a layer type kvmerge does not handle."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    windows = []
+    for kind, kw in zip(types, kwargs):
+        if kind not in ("full_attention", "sliding_attention"):
+            raise ValueError(f"layers of type {kind!r} are not supported (kvmerge handles full and sliding attention)")
+        windows.append(kw.get("sliding_window") if kind == "sliding_attention" else None)
+    return windows
