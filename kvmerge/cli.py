@@ -14,6 +14,10 @@ def _csv(kind):
     return lambda s: [kind(x) for x in s.split(",") if x]
 
 
+def _budget(text: str) -> float | int:
+    return int(text) if text.isdigit() else float(text)
+
+
 def _eval(module: str):
     """A module of `kvmerge_eval`, or a clear error if the eval extra is not installed."""
     try:
@@ -70,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="decode speed, compression cost and memory vs the full cache")
     bench.add_argument("--methods", type=_csv(str), default=["streamingllm", "centroidkv", "semanticache"])
-    bench.add_argument("--budget", type=float, default=0.25)
+    bench.add_argument("--budget", type=_budget, default=0.25, help="a fraction, or a whole number of entries")
     bench.add_argument("--lengths", type=_csv(int), default=[1024, 2048, 4096, 8192])
     bench.add_argument("--batches", type=_csv(int), default=[1, 4, 8])
     bench.add_argument("--steps", type=int, default=32)

@@ -128,6 +128,7 @@ class Session:
         last = None
         for start in range(0, width, chunk):  # each row's own chunks, as if it were alone
             part = [r[start:start + chunk] for r in rows]
+            self.reserve(chunk)  # room for exactly this chunk: capacity follows budget + chunk
             t0 = time.perf_counter()
             logits = self.forward(part, capture=0 if method is None else method.query_window)
             t1 = time.perf_counter()

@@ -90,7 +90,8 @@ def main() -> None:
     p.add_argument("--cap", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None)
     p.add_argument("--method", default="snapkv")
-    p.add_argument("--budget", type=float, default=0.25)
+    p.add_argument("--budget", type=lambda x: int(x) if x.isdigit() else float(x), default=0.25,
+                   help="a fraction, or a whole number of entries (flat memory under chunking)")
     p.add_argument("--lengths", default="4096,8192,16384")
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--cap-gb", type=float, default=None, help="the demonstration: run full and chunked under this cap")
