@@ -51,6 +51,10 @@ def biased_sdpa(query, key, value, log_n, scaling=None, window=None):
     b, hq, q, d = query.shape
     hkv = key.shape[1]
     rep = hq // hkv
+    if q > 1 and (hkv == 1 or bool((log_n == log_n[:, :1]).all())):  # one mask for every head (no merges yet)
+        bias = attention_bias(log_n[:, :1], q, query.dtype, window)  # (b, 1, q, s): not repeated per head
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scaling, enable_gqa=rep > 1)
+        return out.transpose(1, 2)
     bias = attention_bias(log_n, q, query.dtype, window)  # (b, hkv, q, s)
     packed = query.reshape(b, hkv, rep * q, d)
     if q > 1 and rep > 1:
