@@ -119,7 +119,30 @@ def frequent_words(tok, n, seed, text=None, top: int = 3):
                   {"task": "frequent_words", "length": n, "seed": seed})
 
 
-TASKS = {"single_number": single("number"), "single_word": single("word"), "single_uuid": single("uuid"),
+INLINE = [  # (fact in the documentation's own register, question, answer prefix); {key} is an identifier
+    ("In the {key} build the default recursion limit is {value}, and deeper calls raise RecursionError.",
+     "What is the default recursion limit in the {key} build?", "The default recursion limit in the {key} build is"),
+    ("Unless the environment overrides it, the buffer of the {key} module holds {value} bytes per read.",
+     "How many bytes per read does the buffer of the {key} module hold?",
+     "The buffer of the {key} module holds"),
+    ("The {key} socket option accepts timeouts of at most {value} milliseconds; larger values raise ValueError.",
+     "What is the largest timeout, in milliseconds, that the {key} socket option accepts?",
+     "The largest timeout the {key} socket option accepts is"),
+]
+
+
+def single_inline(tokenizer, n_tokens, seed, text=None) -> Sample:
+    """One number stated in the haystack's own register (not an out-of-place "special magic" sentence),
+    asked about by its key; other keys of the same form may appear as distractor-free prose around it."""
+    rng = random.Random(seed)
+    fact, question, prefix = rng.choice(INLINE)
+    key, value = rng.choice(CITIES).lower(), str(rng.randint(1000, 99999))
+    context = _insert(tokenizer, n_tokens, rng, text, [fact.format(key=key, value=value)])
+    return Sample(context, question.format(key=key), [value],
+                  {"task": "single_inline", "length": n_tokens, "seed": seed, "answer_prefix": prefix.format(key=key)})
+
+
+TASKS = {"single_number": single("number"), "single_inline": single_inline, "single_word": single("word"), "single_uuid": single("uuid"),
          "multikey": multikey, "multivalue": multivalue, "multiquery": multiquery,
          "variable_tracking": variable_tracking, "common_words": common_words, "frequent_words": frequent_words}
 

@@ -55,6 +55,8 @@ def test_ruler_samples_hit_length_and_answers_are_in_the_context(name):
         counts = {w: items.count(w) for w in set(items)}
         top = sorted(counts, key=counts.get, reverse=True)[:len(s.answer)]
         assert set(top) == set(s.answer)
+    if name == "single_inline":  # the fact reads like the documentation around it: no "special magic"
+        assert "special magic" not in s.context and s.answer[0] not in s.meta["answer_prefix"]
     assert ruler.TASKS[name](tok, 600, seed=3) == s  # seeded
 
 
