@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--memory", action="store_true",
                        help="peak cache and process memory of the prefill instead (full, one-shot, chunked; "
                             "the first method), each in a fresh process")
-    bench.add_argument("--prefill-chunk", type=int, default=1024, help="the chunk of --memory's chunked rows")
+    bench.add_argument("--prefill-chunk", type=int, default=None,
+                       help="prefill N tokens at a time (decode rows), the chunk of --memory's rows (default 1024)")
     bench.add_argument("--model", default=None, help="gemma3-270m, a local folder, .gguf or model id (default: SmolLM2)")
 
     rep = sub.add_parser("report", help="tables and plots of a results folder")
@@ -114,11 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.memory:
             memory = _eval("memory")
             print(memory.HEADER)
-            memory.table(args.model, args.methods[0], args.budget, args.lengths, args.prefill_chunk)
+            memory.table(args.model, args.methods[0], args.budget, args.lengths, args.prefill_chunk or 1024)
             return 0
         bench = _eval("bench")
         model, tok = load_model(args.model)
-        rows, profiles = bench.run_bench(model, args.methods, args.budget, args.lengths, args.batches, args.steps, args.out, tok)
+        rows, profiles = bench.run_bench(model, args.methods, args.budget, args.lengths, args.batches, args.steps,
+                                         args.out, tok, args.prefill_chunk)
         cols = ["length", "batch", "method", "ms_per_step", "tokens_per_s", "speedup", "cache_vs_full",
                 "compress_vs_prefill", "peak_extra_mb", "floor_ms", "vs_floor", "bandwidth_gbs"]
         print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))

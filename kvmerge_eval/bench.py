@@ -55,13 +55,14 @@ def _rss() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def prefilled(model, ids, spec, budget, tokenizer=None):
-    """A batch-1 session with `ids` prefilled and compressed by `spec` (`"full"`: nothing compressed),
-    and its timings with the peak resident memory above the level before it."""
+def prefilled(model, ids, spec, budget, tokenizer=None, chunk=None):
+    """A batch-1 session with `ids` prefilled (`chunk` tokens at a time if given) and compressed by
+    `spec` (`"full"`: nothing compressed), and its timings with the peak resident memory above the
+    level before it."""
     method = None if spec == "full" else method_from_spec(spec, budget)
     s = Session(model, 1, method, tokenizer)
     with torch.inference_mode(), PeakRSS() as mem:
-        s.prefill([ids])
+        s.prefill([ids], chunk=chunk)
     return s, {"prefill_s": s.timings["prefill_seconds"], "compress_s": s.timings.get("compress_seconds", 0.0),
                "peak_extra_bytes": mem.extra}
 
@@ -78,7 +79,7 @@ def decode_seconds(session, batch, steps, warmup=2) -> float:
 
 
 @torch.inference_mode()
-def run_bench(model, methods, budget, lengths, batches, steps, out_dir, tokenizer=None):
+def run_bench(model, methods, budget, lengths, batches, steps, out_dir, tokenizer=None, prefill_chunk=None):
     """One row per (length, batch, method): decode ms/token, tokens/s, speedup vs full (same run),
     cache bytes, compression/prefill fraction, peak memory, bandwidth floor. Contexts are prose
     (random ids without a tokenizer). The floor's bandwidth is the best of a copy benchmark run before
@@ -94,7 +95,8 @@ def run_bench(model, methods, budget, lengths, batches, steps, out_dir, tokenize
             ids = fidelity.make_sample(tokenizer, n, seed=n, continuation=0).context
         else:
             ids = torch.randint(3, vocab, (n,), generator=g).tolist()
-        prepared = {spec: prefilled(model, ids, spec, budget, tokenizer) for spec in ["full"] + list(methods)}
+        prepared = {spec: prefilled(model, ids, spec, budget, tokenizer, prefill_chunk)
+                    for spec in ["full"] + list(methods)}
         for batch in batches:
             full_s = None
             for spec, (session, info) in prepared.items():
