@@ -13,7 +13,7 @@ import torch
 
 from kvmerge import Session, method_from_spec
 from kvmerge.attention import biased_sdpa
-from kvmerge.cache import bytes_per_token
+from kvmerge.cache import stock_cache_bytes
 from . import fidelity
 
 
@@ -86,7 +86,7 @@ def run_bench(model, methods, budget, lengths, batches, steps, out_dir, tokenize
     and after the decode runs (both kept in the rows)."""
     bw_before = bandwidth()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    per_token = bytes_per_token(model.config, next(model.parameters()).dtype)
+    dtype = next(model.parameters()).dtype
     rows = []
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -108,7 +108,7 @@ def run_bench(model, methods, budget, lengths, batches, steps, out_dir, tokenize
                 full_s = sec if spec == "full" else full_s
                 rows.append({"length": n, "batch": batch, "method": spec, "budget": 1.0 if spec == "full" else budget,
                              "ms_per_step": 1e3 * sec, "tokens_per_s": batch / sec, "speedup": full_s / sec,
-                             "cache_bytes": cache_bytes, "cache_vs_full": cache_bytes / (per_token * n * batch),
+                             "cache_bytes": cache_bytes, "cache_vs_full": cache_bytes / (batch * stock_cache_bytes(model.config, dtype, n)),
                              "compress_vs_prefill": info["compress_s"] / info["prefill_s"],
                              "prefill_s": info["prefill_s"], "compress_s": info["compress_s"],
                              "peak_extra_mb": info["peak_extra_bytes"] / 2**20})
