@@ -83,3 +83,13 @@ class TinyTokenizer:
 
     def convert_tokens_to_string(self, tokens):
         return " ".join(tokens)
+
+
+def next_query(model, ids, method, layer: int):
+    """Layer `layer`'s post-RoPE query for one more token after `ids` compressed by `method`, and the
+    session: it depends only on token and position, so it must not depend on the compression."""
+    s = kvmerge.Session(model, 1, method)
+    with torch.no_grad():
+        s.prefill([ids])
+        s.forward([[9]], capture=1)
+    return s.states[layer].queries, s

@@ -10,7 +10,7 @@ import kvmerge
 from kvmerge.attention import biased_sdpa
 from kvmerge.cache import bytes_per_token
 
-from .conftest import random_ids, session_logits, stock_logits, tiny_model
+from .conftest import next_query, random_ids, session_logits, stock_logits, tiny_model
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
@@ -72,16 +72,11 @@ def test_proportional_attention_is_exact_on_identical_tokens(llama):
 def test_positions_continue_from_tokens_seen(llama):
     """Layer 0's post-RoPE query depends only on token and position: it must match the uncompressed run."""
     ids = random_ids(80, seed=4)
-    queries = []
-    for method in (kvmerge.get_method("full"), kvmerge.get_method("streamingllm", budget=0.5, window=8)):
-        s = kvmerge.Session(llama, 1, method)
-        with torch.no_grad():
-            s.prefill([ids])
-            s.forward([[9]], capture=1)
-        queries.append(s.states[0].queries)
+    full, _ = next_query(llama, ids, kvmerge.get_method("full"), 0)
+    compressed, s = next_query(llama, ids, kvmerge.get_method("streamingllm", budget=0.5, window=8), 0)
     assert s.cache.layers[0].entries == 41  # 40 kept + the new token
     assert s.cache.get_seq_length() == 81
-    assert torch.allclose(queries[0], queries[1], atol=1e-6)
+    assert torch.allclose(full, compressed, atol=1e-6)
 
 
 @pytest.mark.parametrize("method", ["full", "streamingllm"])
