@@ -9,7 +9,7 @@ runs the method on every layer, and its decode policy runs after each one-token 
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import time
 from contextlib import contextmanager
 
@@ -243,9 +243,7 @@ class Session:
     def snapshot(self):
         """A copy of the cache and request state (the cache's buffers are written in place, so copied)."""
         layers = [_copied(vars(layer)) for layer in self.cache.layers]
-        states = [copy.copy(s) for s in self.states]
-        for s in states:
-            s.scratch = dict(s.scratch)
+        states = _copied_states(self.states)
         return (self.seen.clone(), self.plain.clone(), self.captured.clone()), layers, states
 
     def restore(self, snapshot) -> None:
@@ -253,9 +251,7 @@ class Session:
         self.seen, self.plain, self.captured = seen.clone(), plain.clone(), captured.clone()
         for layer, fields in zip(self.cache.layers, layers):
             vars(layer).update(_copied(fields))
-        self.states = [copy.copy(s) for s in states]
-        for s in self.states:
-            s.scratch = dict(s.scratch)
+        self.states = _copied_states(states)
 
     def reserve(self, extra: int) -> None:
         """Room for `extra` more slots in every full-attention layer, so that many appends copy nothing."""
@@ -276,3 +272,8 @@ class Session:
 def _copied(fields: dict) -> dict:
     """A layer's attributes with its tensors cloned."""
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+
+
+def _copied_states(states: list[LayerState]) -> list[LayerState]:
+    """Layer states with their own scratch dicts (tensors in them are never written in place)."""
+    return [dataclasses.replace(s, scratch=dict(s.scratch)) for s in states]
