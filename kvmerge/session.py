@@ -126,16 +126,22 @@ class Session:
             return logits
         self.timings = {"prefill_seconds": 0.0, "compress_seconds": 0.0}
         last = None
+        wants_surprisal = method is not None and method.needs_surprisal
+        history = [torch.zeros(0) for _ in rows]  # each row's surprisal so far (chunked: per chunk's logits)
         for start in range(0, width, chunk):  # each row's own chunks, as if it were alone
             part = [r[start:start + chunk] for r in rows]
             self.reserve(chunk)  # room for exactly this chunk: capacity follows budget + chunk
             t0 = time.perf_counter()
-            logits = self.forward(part, capture=0 if method is None else method.query_window)
-            t1 = time.perf_counter()
+            logits, surprisal, t1 = self.feed_prompt(part, 0 if method is None else method.query_window,
+                                                     wants_surprisal)
+            if surprisal is not None:
+                history = [torch.cat([h, _continued(s[s.shape[0] - len(p):], p, prev)]) for h, s, p, prev
+                           in zip(history, surprisal.cpu(), part, [None] * len(rows) if last is None else last)]
+                surprisal = _left_padded(history)
             fed = torch.tensor([len(p) > 0 for p in part])
             last = logits if last is None else torch.where(fed[:, None].to(logits.device), logits, last)
             if method is not None:
-                self.compress([r[:start + chunk] for r in rows], window, running=True)
+                self.compress([r[:start + chunk] for r in rows], window, surprisal, running=True)
             self.timings["prefill_seconds"] += t1 - t0
             self.timings["compress_seconds"] += time.perf_counter() - t1
         return last
@@ -151,9 +157,7 @@ class Session:
             raise ValueError(f"prefill chunk of {chunk} tokens is smaller than the protected sinks + window "
                              f"({protected}): every chunk would be protected whole")
         if not method.supports_chunked_prefill:
-            raise ValueError(f"{method.name} cannot compress chunk by chunk: it ranks whole sentences by the "
-                             "surprisal of their tokens, and once a chunk is compressed its entries no longer "
-                             "map to tokens (use a one-shot prefill)")
+            raise ValueError(f"{method.name} cannot compress chunk by chunk (use a one-shot prefill)")
 
     def feed_prompt(self, rows: list[list[int]], capture: int = 0, surprisal: bool = False):
         """Feed prompts keeping the last `capture` queries per full-attention layer (-1: all);
@@ -226,7 +230,7 @@ class Session:
                     window=window, scaling=scaling, queries=queries, rows=rows, state=state, values=kv.values, seen=seen,
                     token_ids=None if token_rows is None else torch.tensor(
                         [token_rows[int(b)][len(token_rows[int(b)]) - fresh:] for b in rows], device=kv.keys.device),
-                    surprisal=None if surprisal is None else surprisal[rows][:, -n:].to(kv.keys.device))
+                    surprisal=None if surprisal is None else surprisal[rows][:, -fresh:].to(kv.keys.device))
                 keep = method.layer_target(ctx)
                 state.targets[rows] = keep
                 compressed[rows] |= keep < n
@@ -267,6 +271,23 @@ class Session:
         self.seen = self.seen.repeat_interleave(repeats)
         self.plain = self.plain.repeat_interleave(repeats)
         self.captured = self.captured.repeat_interleave(repeats)
+
+
+def _continued(surprisal, ids, previous_logits):
+    """One row's chunk surprisal `(len(ids),)`, its first token's taken from the previous chunk's
+    last-token logits (None: the context's first chunk, where it stays 0)."""
+    if previous_logits is None or not ids:
+        return surprisal
+    first = -torch.log_softmax(previous_logits.float().cpu(), -1)[ids[0]]
+    return torch.cat([first[None], surprisal[1:]])
+
+
+def _left_padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """1-D tensors → `(len(rows), longest)`, left-padded with zeros."""
+    out = torch.zeros(len(rows), max(len(r) for r in rows))
+    for b, r in enumerate(rows):
+        out[b, out.shape[1] - len(r):] = r
+    return out
 
 
 def _copied(fields: dict) -> dict:

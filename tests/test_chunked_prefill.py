@@ -8,7 +8,7 @@ import kvmerge
 from .conftest import TinyTokenizer, random_ids, tiny_model
 from .test_hybrid import gemma3
 
-CHUNKED = sorted(set(kvmerge.available_methods()) - {"full", "surprisal", "surprisemerge"})
+CHUNKED = sorted(set(kvmerge.available_methods()) - {"full"})
 
 
 @pytest.mark.parametrize("build", [tiny_model, gemma3])
@@ -24,7 +24,7 @@ def test_full_cache_chunked_equals_one_shot_at_any_chunk_size(build, chunk):
     assert torch.allclose(logits[0], logits[1], atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["snapkv", "centroidkv", "semanticache"])
+@pytest.mark.parametrize("name", ["snapkv", "centroidkv", "semanticache", "surprisemerge"])
 def test_a_chunk_as_long_as_the_context_is_one_shot_compression(name):
     model = tiny_model()
     m = kvmerge.get_method(name, budget=0.25, window=8)
@@ -92,7 +92,35 @@ def test_bad_chunks_and_unsupported_methods_get_clear_errors():
         kvmerge.generate_ids(model, ctx, [3], snap, prefill_chunk=10)
     with pytest.raises(ValueError, match="below the protected sinks"):
         kvmerge.get_method("snapkv", budget=10, window=8)
-    for name in ("surprisal", "surprisemerge"):
-        with pytest.raises(ValueError, match="cannot compress chunk by chunk"):
-            kvmerge.generate_ids(model, ctx, [3], kvmerge.get_method(name, budget=0.25, window=8),
-                                 tokenizer=TinyTokenizer(), prefill_chunk=64)
+
+
+def _surprisal_seen(chunk):
+    """The surprisal the last compression of a `budget=1.0` surprisal prefill was given."""
+    s = kvmerge.Session(tiny_model(), 2, kvmerge.get_method("surprisal", budget=1.0, window=8), TinyTokenizer())
+    given = []
+    compress = s.compress
+    s.compress = lambda rows, window=None, surprisal=None, running=False: (
+        given.append(surprisal), compress(rows, window, surprisal, running))
+    with torch.no_grad():
+        s.prefill([random_ids(150, seed=8), random_ids(97, seed=9)], chunk=chunk)
+    return given[-1]
+
+
+def test_chunked_surprisal_is_each_tokens_surprisal_given_everything_before_it():
+    """Nothing compressed (budget 1.0): chunk by chunk, every token's surprisal (a chunk's first
+    token's from the previous chunk's logits) equals the one-shot prefill's."""
+    one_shot = _surprisal_seen(None)
+    for chunk in (16, 40):
+        assert torch.allclose(_surprisal_seen(chunk), one_shot, atol=1e-4)
+
+
+def test_chunked_surprisal_keeps_each_entry_with_the_score_it_was_kept_with():
+    model = tiny_model()
+    m = kvmerge.get_method("surprisal", budget=0.25, window=8)
+    s = kvmerge.Session(model, 1, m, TinyTokenizer())
+    with torch.no_grad():
+        s.prefill([random_ids(300, seed=10)], chunk=50)
+    for i in s.cache.compressible:
+        carried = s.states[i].scratch["surprisal"][0]
+        assert carried.shape == s.cache.layers[i].keys.shape[1:3]  # one score per kept entry and head
+        assert torch.equal(carried, s.states[s.cache.compressible[0]].scratch["surprisal"][0])  # same in every layer

@@ -74,7 +74,7 @@ class Method:
     query_window: ClassVar[int] = 0
     needs_surprisal: ClassVar[bool] = False
     has_decode_policy: ClassVar[bool] = False
-    supports_chunked_prefill: ClassVar[bool] = True  # False: needs every cached entry's token
+    supports_chunked_prefill: ClassVar[bool] = True
 
     def __post_init__(self):
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
@@ -137,6 +137,11 @@ class ScoringMethod(Method):
         """`(b, h, s)`: higher is kept first."""
         raise NotImplementedError
 
+    def selected(self, idx: torch.Tensor, ctx: LayerContext) -> None:
+        """Told the kept slots `(b, h, t)`, in order, after each selection: a method whose scores
+        outlive one compression (chunked prefill) carries them here in `ctx.state.scratch`."""
+
     def compress(self, keys, values, log_n, ctx):
         idx = top_slots(self.scores(keys, log_n, ctx), self.layer_target(ctx), ctx.sinks, ctx.window)
+        self.selected(idx, ctx)
         return KV(keys, values, log_n).take(idx)

@@ -99,6 +99,8 @@ class EvictMerge(ScoringMethod):
             protect = exact.gather(-1, idx) | (torch.arange(idx.shape[-1], device=idx.device) < protect)
         else:
             idx = top_slots(scores, target, ctx.sinks, window)
+        for part in self._parts():
+            part.selected(idx, ctx)
         attention = None
         if self.calibrate:
             attention = received_attention(ctx.queries[:, :, -self.obs_window:], keys, ctx.scaling, log_n)
