@@ -37,6 +37,7 @@ class Session:
         self.timings: dict = {}
         self._capture = 0  # queries kept per layer during this forward (-1: all)
         self._decoding = False
+        self._probe = None  # during `probe`: its listener
         if method is not None:
             method.setup(model, tokenizer)
 
@@ -96,7 +97,10 @@ class Session:
     def _listen(self, layer_idx: int, query: torch.Tensor) -> None:
         """Called by kvmerge's attention after each layer's attention (see `MergedCache.listener`)."""
         state = self.states[layer_idx]
-        if self._capture and layer_idx in self._compressible:
+        if self._probe is not None:
+            if layer_idx in self._compressible:
+                self._probe(layer_idx, query, self.cache.layers[layer_idx])
+        elif self._capture and layer_idx in self._compressible:
             q = query if state.queries is None else torch.cat([state.queries, query], dim=2)
             state.queries = q if self._capture < 0 else q[:, :, -self._capture:]
         elif (self._decoding and query.shape[2] == 1 and state.targets is not None
@@ -175,6 +179,23 @@ class Session:
         given the tokens before it in this chunk (0 at a row's first token and on padding)."""
         return self.feed_prompt(rows, surprisal=True)[1]
 
+    def probe(self, rows: list[list[int]], listener) -> None:
+        """Feed `rows` (left-padded) after what the cache holds, calling `listener(layer_idx, query,
+        layer)` right after each full-attention layer's attention with its post-RoPE queries
+        `(b, hq, width, d)` and the layer holding the new keys last; then forget the feed: the cache
+        and every counter are as before (appends never write below a layer's filled length)."""
+        marks = [dict(vars(layer)) for layer in self.cache.layers]
+        counters = self.seen.clone(), self.plain.clone(), self.captured.clone()
+        self._probe = listener
+        try:
+            self._feed(rows, decoding=False)
+        finally:
+            self._probe = None
+            for layer, mark in zip(self.cache.layers, marks):
+                vars(layer).clear()
+                vars(layer).update(mark)
+            self.seen, self.plain, self.captured = counters
+
     def use(self, method: Method, tokenizer=None) -> None:
         """Switch the session to `method` (after `feed_prompt` with every query captured, one prefill
         can be compressed by several methods in turn: snapshot, compress, restore)."""
@@ -201,6 +222,7 @@ class Session:
         if not picked:
             raise ValueError("this model has sliding-window layers only: its cache is already bounded by the "
                              "window and has no full-attention layer to compress (use the full method)")
+        method.before_compress(self, token_rows, picked)
         layers, states = [self.cache.layers[i] for i in picked], [self.states[i] for i in picked]
         compressed = torch.zeros(len(self.seen), dtype=torch.bool)
         first = layers[0]

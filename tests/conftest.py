@@ -84,6 +84,10 @@ class TinyTokenizer:
     def convert_tokens_to_string(self, tokens):
         return " ".join(tokens)
 
+    def __call__(self, text, add_special_tokens=False):
+        """One id per character (ids 10 and up; "." → 5), for prompts a method writes itself."""
+        return {"input_ids": [5 if c == "." else 10 + ord(c) % (TINY["vocab_size"] - 10) for c in text]}
+
 
 def next_query(model, ids, method, layer: int):
     """Layer `layer`'s post-RoPE query for one more token after `ids` compressed by `method`, and the

@@ -79,3 +79,70 @@ def test_expected_attention_equals_a_direct_computation_from_pre_rope_queries():
     got = m.scores(seen["keys"], torch.zeros(1, hkv, 60), ctx)[0].double()
     assert torch.allclose(got[:, 4:], want[:, 4:], rtol=1e-4, atol=1e-7)
     assert s.cache.entries == [20, 20]
+
+
+def _kvzip_explicit(queries, keys, sinks, chunk, scaling):
+    """KVzip's score written out: query head by query head, position by position."""
+    hq, q, _ = queries.shape
+    h = keys.shape[0]
+    best = torch.zeros(h, chunk)
+    for head in range(hq):
+        kv = head // (hq // h)  # GQA: query head → its KV head
+        for j in range(q):
+            visible = keys[kv, :sinks + chunk + j + 1]  # sinks, chunk, own keys up to itself
+            probs = torch.softmax(visible @ queries[head, j] * scaling, -1)
+            best[kv] = torch.maximum(best[kv], probs[sinks:sinks + chunk])
+    return best
+
+
+def test_reconstruction_attention_equals_the_explicit_softmax_with_gqa():
+    torch.manual_seed(0)
+    queries, keys = torch.randn(6, 5, 8), torch.randn(2, 3 + 7 + 5, 8)
+    got = kvmerge.ops.scores.reconstruction_attention(queries, keys, None, sinks=3, scaling=0.3)
+    assert torch.allclose(got, _kvzip_explicit(queries, keys, 3, 7, 0.3), atol=1e-6)
+
+
+def _kvzip_session(model, ctx, chunk):
+    from .conftest import TinyTokenizer
+    m = kvmerge.get_method("kvzip", budget=0.5, window=8, chunk=chunk)
+    s = kvmerge.Session(model, 1, m, TinyTokenizer())
+    fed = []
+    probe = s.probe
+    s.probe = lambda rows, listener: (fed.append(rows[0]), probe(rows, listener))
+    with torch.no_grad():
+        s.feed_prompt([ctx])
+        m.before_compress(s, [ctx], s.cache.compressible)
+    return m, s, fed
+
+
+def test_kvzip_reconstruction_repeats_the_context_chunk_by_chunk():
+    from .conftest import random_ids, tiny_model
+    ctx = random_ids(120, seed=4)
+    m, _s, fed = _kvzip_session(tiny_model(), ctx, chunk=50)
+    later = m._later
+    assert fed == [m._first + m._turn_end + ctx[:50],
+                   later + ctx[42:50] + m._turn_end + ctx[50:100],
+                   later + ctx[92:100] + m._turn_end + ctx[100:]]
+    assert m._turn_end == [10 + ord("\n")]  # no chat template: a newline opens the answer
+
+
+def test_kvzip_scores_equal_an_explicit_reconstruction_and_the_probe_leaves_the_cache_as_it_was():
+    from kvmerge.model import attention_scaling
+    from .conftest import random_ids, tiny_model
+    model, ctx = tiny_model(), random_ids(60, seed=5)
+    m, s, fed = _kvzip_session(model, ctx, chunk=30)
+    scaling = attention_scaling(model.config)
+    reference = kvmerge.Session(model, 1)
+    with torch.no_grad():
+        reference.feed_prompt([ctx])
+        assert torch.equal(s.forward([[7, 8]]), reference.forward([[7, 8]]))  # the probe left no trace
+        for c, (rows, sinks) in enumerate(zip(fed, (0, 4))):
+            r = kvmerge.Session(model, 1)
+            r.feed_prompt([ctx])
+            r.forward([rows], capture=-1)
+            for i in r.cache.compressible:
+                keys = r.cache.layers[i].keys[0]
+                keys = torch.cat([keys[:, :sinks], keys[:, 30 * c:30 * c + 30], keys[:, 60:]], 1)
+                want = _kvzip_explicit(r.states[i].queries[0], keys, sinks, 30, scaling)
+                got = s.states[i].scratch["_kvzip_fresh"][0][:, 30 * c:30 * c + 30]
+                assert torch.allclose(got, want, atol=1e-5), (c, i)

@@ -114,6 +114,12 @@ class Method:
     def setup(self, model, tokenizer) -> None:
         """Called once per request before prefill (e.g. to build token tables)."""
 
+    def before_compress(self, session, token_rows: list[list[int]] | None, layers: list[int]) -> None:
+        """Called by `session.compress` before anything else, with the rows' prompt ids and the indices
+        of the layers it compresses: a method that needs another pass over the prompt (KVzip's
+        reconstruction) runs it here with `session.probe` and keeps what it learns in
+        `session.states[i].scratch`."""
+
     def plan(self, layers, states: list[LayerState], ctx: LayerContext) -> None:
         """Called once with every `MergedLayer` and its state before any layer is compressed; `ctx`
         describes the whole batch (layer_idx -1)."""
@@ -138,10 +144,36 @@ class ScoringMethod(Method):
         raise NotImplementedError
 
     def selected(self, idx: torch.Tensor, ctx: LayerContext) -> None:
-        """Told the kept slots `(b, h, t)`, in order, after each selection: a method whose scores
-        outlive one compression (chunked prefill) carries them here in `ctx.state.scratch`."""
+        """Told the kept slots `(b, h, t)`, in order, after each selection (see `CarriedScores`)."""
 
     def compress(self, keys, values, log_n, ctx):
         idx = top_slots(self.scores(keys, log_n, ctx), self.layer_target(ctx), ctx.sinks, ctx.window)
         self.selected(idx, ctx)
         return KV(keys, values, log_n).take(idx)
+
+
+class CarriedScores:
+    """For a `ScoringMethod` whose scores come from the prompt's tokens (not from the cache), so that
+    under chunked prefill only the fresh slots can be scored: the entries an earlier compression kept
+    keep the score they were kept with, carried per row in `ctx.state.scratch[name]`."""
+
+    def with_carried(self, fresh: torch.Tensor, n: int, ctx: LayerContext) -> torch.Tensor:
+        """Fresh scores `(b, h, f)` of the last f slots → `(b, h, n)`, older slots' carried in front."""
+        if fresh.shape[-1] < n:
+            carried = ctx.state.scratch.get(self.name, {}) if ctx.state is not None else {}
+            old = [carried.get(int(row)) for row in (ctx.rows if ctx.rows is not None else [])]
+            if not old or any(c is None or c.shape[-1] < n - fresh.shape[-1] for c in old):
+                raise ValueError(f"{self.name}: the scores of entries kept by an earlier compression are missing")
+            fresh = torch.cat([torch.stack([c[:, :n - fresh.shape[-1]] for c in old]).to(fresh.device), fresh], -1)
+        if ctx.state is not None:
+            ctx.state.scratch["_" + self.name] = fresh
+        return fresh
+
+    def selected(self, idx, ctx):
+        if ctx.state is None or ctx.rows is None or "_" + self.name not in ctx.state.scratch:
+            return
+        scores = ctx.state.scratch.pop("_" + self.name)
+        carried = dict(ctx.state.scratch.get(self.name, {}))  # a new dict: snapshots share the old one
+        for j, row in enumerate(ctx.rows.tolist()):
+            carried[row] = scores[j].gather(-1, idx[j])
+        ctx.state.scratch[self.name] = carried

@@ -91,3 +91,24 @@ def sentence_mean(values, is_end):
     total = torch.zeros(values.shape, dtype=torch.float32, device=values.device).scatter_add_(-1, seg, values.float())
     count = torch.zeros_like(total).scatter_add_(-1, seg, torch.ones_like(total))
     return (total / count.clamp_min(1)).gather(-1, seg)
+
+
+def reconstruction_attention(queries, keys, log_n, sinks: int, scaling: float):
+    """KVzip's score for one row's context chunk: queries `(hq, q, d)` of the reconstruction, keys
+    `(h, k, d)` and log_n `(h, k)` (or None) laid out [sinks; chunk; the q reconstruction tokens' own]
+    → `(h, k - sinks - q)`: for each chunk key, the highest attention probability any query head of
+    its group gives it at any reconstruction position, the softmax over all k keys (causal among the
+    reconstruction's own)."""
+    hq, q, _d = queries.shape
+    h, k, _ = keys.shape
+    g, chunk = hq // h, k - sinks - q
+    own = torch.ones(q, q, dtype=torch.bool, device=keys.device).tril()
+    visible = torch.cat([torch.ones(q, k - q, dtype=torch.bool, device=keys.device), own], -1)
+    out = []
+    for j in range(h):  # one KV head at a time: (g, q, k) logits, not (hq, q, k)
+        logits = queries[j * g:(j + 1) * g].float() @ keys[j].float().T * scaling
+        if log_n is not None:
+            logits = logits + log_n[j].float()
+        probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+        out.append(probs[:, :, sinks:sinks + chunk].amax(dim=(0, 1)))
+    return torch.stack(out)
