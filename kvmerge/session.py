@@ -38,6 +38,7 @@ class Session:
         self._capture = 0  # queries kept per layer during this forward (-1: all)
         self._decoding = False
         self._probe = None  # during `probe`: its listener
+        self.memo: dict = {}  # what methods computed from the cache as it is now (a new dict once it changes)
         if method is not None:
             method.setup(model, tokenizer)
 
@@ -71,6 +72,7 @@ class Session:
                                  use_cache=True, logits_to_keep=0 if all_logits else 1)
         finally:
             self.cache.next_log_n = None
+        self.memo = {}
         self.seen += lengths
         self.plain += lengths
         if capture:
@@ -185,7 +187,7 @@ class Session:
         `(b, hq, width, d)` and the layer holding the new keys last; then forget the feed: the cache
         and every counter are as before (appends never write below a layer's filled length)."""
         marks = [dict(vars(layer)) for layer in self.cache.layers]
-        counters = self.seen.clone(), self.plain.clone(), self.captured.clone()
+        counters = self.seen.clone(), self.plain.clone(), self.captured.clone(), self.memo
         self._probe = listener
         try:
             self._feed(rows, decoding=False)
@@ -194,7 +196,7 @@ class Session:
             for layer, mark in zip(self.cache.layers, marks):
                 vars(layer).clear()
                 vars(layer).update(mark)
-            self.seen, self.plain, self.captured = counters
+            self.seen, self.plain, self.captured, self.memo = counters
 
     def use(self, method: Method, tokenizer=None) -> None:
         """Switch the session to `method` (after `feed_prompt` with every query captured, one prefill
@@ -263,17 +265,19 @@ class Session:
         for state in self.states:
             state.queries = None
         self.captured.zero_()
+        self.memo = {}
         self.plain = torch.where(compressed, self.plain.clamp(max=window), self.plain)  # the window stays plain
 
     # -- batch and state ----------------------------------------------------------------------
     def snapshot(self):
-        """A copy of the cache and request state (the cache's buffers are written in place, so copied)."""
+        """A copy of the cache and request state (the cache's buffers are written in place, so copied).
+        Its `memo` is shared by every restore of it: what one method computes there, the next reuses."""
         layers = [_copied(vars(layer)) for layer in self.cache.layers]
         states = _copied_states(self.states)
-        return (self.seen.clone(), self.plain.clone(), self.captured.clone()), layers, states
+        return (self.seen.clone(), self.plain.clone(), self.captured.clone(), self.memo), layers, states
 
     def restore(self, snapshot) -> None:
-        (seen, plain, captured), layers, states = snapshot
+        (seen, plain, captured, self.memo), layers, states = snapshot
         self.seen, self.plain, self.captured = seen.clone(), plain.clone(), captured.clone()
         for layer, fields in zip(self.cache.layers, layers):
             vars(layer).update(_copied(fields))

@@ -146,3 +146,26 @@ def test_kvzip_scores_equal_an_explicit_reconstruction_and_the_probe_leaves_the_
                 want = _kvzip_explicit(r.states[i].queries[0], keys, sinks, 30, scaling)
                 got = s.states[i].scratch["_kvzip_fresh"][0][:, 30 * c:30 * c + 30]
                 assert torch.allclose(got, want, atol=1e-5), (c, i)
+
+
+def test_kvzip_reconstructs_a_prefill_once_for_every_budget_and_base():
+    from kvmerge_eval.shared import compressed_once
+
+    from .conftest import TinyTokenizer, random_ids, tiny_model
+    model, ctx = tiny_model(), random_ids(200, seed=6)
+    probes = []
+    real = kvmerge.Session.probe
+    kvmerge.Session.probe = lambda self, rows, listener: (probes.append(1), real(self, rows, listener))
+    try:
+        configs = [("kvzip", 0.25), ("kvzip", 0.5), ("evictmerge:base=kvzip", 0.25), ("d2o:base=kvzip", 0.25)]
+        with torch.no_grad():
+            shared = {(spec, b): s.cache.layers[0].keys.clone()
+                      for spec, b, s, _ in compressed_once(model, TinyTokenizer(), [ctx], configs)}
+    finally:
+        kvmerge.Session.probe = real
+    assert len(probes) == 1  # 200 tokens: one reconstruction chunk, run once
+    for (spec, budget), keys in shared.items():
+        s = kvmerge.Session(model, 1, kvmerge.method_from_spec(spec, budget), TinyTokenizer())
+        with torch.no_grad():
+            s.prefill([ctx])
+        assert torch.equal(s.cache.layers[0].keys, keys), spec

@@ -164,7 +164,8 @@ def test_one_prefill_for_many_methods_equals_each_method_on_its_own(tmp_path, pr
 
     tok = _sp_tokenizer()
     model = tiny_model(vocab_size=len(tok))
-    specs = ["full", "snapkv", "h2o:decode=true", "centroidkv:interval=4", "surprisemerge", "semanticache"]
+    specs = ["full", "snapkv", "h2o:decode=true", "centroidkv:interval=4", "surprisemerge", "semanticache", "kvzip",
+             "evictmerge:base=kvzip"]
     run("niah", model, tok, specs, [0.3], [300], 2, tmp_path, protocol=protocol)
     rows = [json.loads(x) for x in (tmp_path / "niah.jsonl").read_text().splitlines()]
     samples = {s.meta["seed"]: s for s in niah_samples(tok)}

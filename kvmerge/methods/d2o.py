@@ -44,6 +44,12 @@ class D2O(Method):
         self._scale: list[float] = []
         self._tau: float | None = None
 
+    def setup(self, model, tokenizer):
+        self.base.setup(model, tokenizer)
+
+    def before_compress(self, session, token_rows, layers):
+        self.base.before_compress(session, token_rows, layers)
+
     def plan(self, layers, states, ctx):
         density = []
         for layer, state in zip(layers, states):

@@ -70,6 +70,10 @@ class EvictMerge(ScoringMethod):
         for part in self._parts():
             part.setup(model, tokenizer)
 
+    def before_compress(self, session, token_rows, layers):
+        for part in self._parts():
+            part.before_compress(session, token_rows, layers)
+
     def scores(self, keys, log_n, ctx):
         return self.base.scores(keys, log_n, ctx)
 

@@ -53,6 +53,14 @@ class KVzip(CarriedScores, ScoringMethod):
     def before_compress(self, session, token_rows, layers):
         if token_rows is None:
             raise ValueError("kvzip needs the prompt's token ids to reconstruct it")
+        key = (self.name, self.chunk, self.postfix, self.sinks)  # one pass serves every budget
+        if key not in session.memo:
+            session.memo[key] = self._reconstruct(session, token_rows, layers)
+        for i in layers:
+            session.states[i].scratch["_kvzip_fresh"] = session.memo[key][i]
+
+    def _reconstruct(self, session, token_rows, layers) -> dict:
+        """Layer index → each row's fresh slots' scores `(h, fresh)`."""
         fresh = [context[len(context) - min(int(p), len(context)):] for context, p in zip(token_rows, session.plain)]
         entries = session.cache.layers[layers[0]].entries
         scaling = attention_scaling(session.model.config)
@@ -77,9 +85,7 @@ class KVzip(CarriedScores, ScoringMethod):
                         scaling))
 
             session.probe(rows, listen)
-        for i in layers:
-            session.states[i].scratch["_kvzip_fresh"] = [torch.cat(chunks, -1) if chunks else None
-                                                         for chunks in found[i]]
+        return {i: [torch.cat(chunks, -1) if chunks else None for chunks in found[i]] for i in layers}
 
     def scores(self, keys, log_n, ctx):
         fresh = ctx.state.scratch.get("_kvzip_fresh") if ctx.state is not None else None
