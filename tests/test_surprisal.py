@@ -87,3 +87,18 @@ def test_whole_completes_the_last_sentence_of_the_exact_share_when_there_is_room
     m = kvmerge.get_method("evictmerge", budget=14, sinks=2, window=10, recent=0.0, exact=0.2, whole=True)
     m.setup(None, TinyTokenizer())
     assert int(m._exact_slots(keys, torch.zeros(1, 2, 60), ctx, 14, 10).sum(-1).max()) == 2
+
+
+def test_estimated_normaliser_is_exact_when_its_sample_covers_the_vocabulary():
+    from kvmerge.model import token_surprisal
+
+    model = tiny_model(vocab_size=3000)
+    ids = torch.tensor([random_ids(200, seed=11, vocab=3000)])
+    s = kvmerge.Session(model, 1)
+    with torch.no_grad():
+        _, hidden, x, _ = s._feed(ids.tolist(), hidden=True)
+        exact = token_surprisal(model, hidden, x)  # 3000 ids: below the threshold, exact
+        covered = token_surprisal(model, hidden, x, exact_below=100)  # the tail sample (16k) is all the rest
+        loss = torch.nn.functional.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:], reduction="none")
+    assert torch.allclose(exact[0, 1:], loss, atol=1e-4)
+    assert torch.allclose(covered, exact, atol=1e-4)
