@@ -8,8 +8,8 @@ OUT=results/chunking/$MODEL
 M=streamingllm,snapkv,centroidkv,semanticache,surprisemerge
 $K eval --model $MODEL --task niah --methods full,$M --budgets 0.25 --lengths 4096 --samples ${NEEDLES:-8} --out $OUT
 $K eval --model $MODEL --task fidelity --methods full,$M --budgets 0.25 --lengths 4096 --samples ${TEXTS:-4} --out $OUT
-for chunk in 512 1024 2048; do  # each method prefills on its own here: the first 4 needles and 2 texts
-  $K eval --model $MODEL --task niah --methods $M --budgets 0.25 --lengths 4096 --samples ${NEEDLES:-8} --limit 4 --prefill-chunk $chunk --out $OUT
-  $K eval --model $MODEL --task fidelity --methods $M --budgets 0.25 --lengths 4096 --samples ${TEXTS:-4} --limit 2 --prefill-chunk $chunk --out $OUT
+for chunk in 512 1024 2048; do  # each method prefills on its own here: the first 3 needles and 1 text
+  $K eval --model $MODEL --task niah --methods $M --budgets 0.25 --lengths 4096 --samples ${NEEDLES:-8} --limit 3 --prefill-chunk $chunk --out $OUT
+  $K eval --model $MODEL --task fidelity --methods $M --budgets 0.25 --lengths 4096 --samples ${TEXTS:-4} --limit 1 --prefill-chunk $chunk --out $OUT
 done
 $K report $OUT
