@@ -169,3 +169,18 @@ def test_kvzip_reconstructs_a_prefill_once_for_every_budget_and_base():
         with torch.no_grad():
             s.prefill([ctx])
         assert torch.equal(s.cache.layers[0].keys, keys), spec
+
+
+def test_probe_leaves_a_hybrid_models_sliding_layers_as_they_were():
+    from .conftest import random_ids
+    from .test_hybrid import gemma3
+    model, ctx = gemma3(), random_ids(150, seed=7)
+    probed, plain = kvmerge.Session(model, 2), kvmerge.Session(model, 2)
+    seen = []
+    with torch.no_grad():
+        for s in (probed, plain):
+            s.prefill([ctx, ctx[:90]])
+        probed.probe([random_ids(40, seed=8), random_ids(25, seed=9)], lambda i, q, layer: seen.append(i))
+        assert sorted(set(seen)) == probed.cache.compressible  # full-attention layers only
+        for step in ([[3, 4], [5]], [[6], [7]]):
+            assert torch.equal(probed.forward(step), plain.forward(step))
