@@ -3,7 +3,7 @@
 set -euo pipefail
 K=${KVMERGE:-.venv/bin/kvmerge}
 MODEL=${MODEL:-smollm2-135m}
-OUT=results/anchors/$MODEL
+OUT=results/anchors/$MODEL-followup
 M=evictmerge:base=kvzip:recent=0,surprisemerge:base=kvzip:recent=0
 B=0.25,0.1
 N=${N:-10}
