@@ -1,0 +1,43 @@
+"""Issue #17's one table from the folders `anchor_tables.sh` and `anchor_followup.sh` write: a row per
+method, columns task × budget (needle tasks: % found; fidelity: mean KL), samples per cell, and the
+cache bytes against the full cache (log-mass included).
+
+    .venv/bin/python benchmarks/anchor_summary.py results/anchors/smollm2-135m results/anchors/smollm2-135m-followup
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from kvmerge_eval.runner import summarize
+
+TASKS = [("niah", "needle"), ("multikey", "multikey"), ("single_inline", "in-style fact"), ("fidelity", "KL")]
+
+
+def main(folders):
+    raw = [json.loads(line) for f in folders for p in sorted(Path(f).glob("*.jsonl")) for line in p.open()]
+    rows = summarize(raw)
+    budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, reverse=True)
+    cell = {(r["task"], r["method"], r["budget"]): r for r in rows}
+    methods = sorted({r["method"] for r in rows}, key=lambda m: (m != "full", m))
+    head = [f"{label} {b:.0%}" for _t, label in TASKS for b in budgets]
+    print("| method | " + " | ".join(head) + " | bytes/full at " + " / ".join(f"{b:.0%}" for b in budgets) + " |")
+    print("|---|" + "---|" * (len(head) + 1))
+    for m in methods:
+        out, fractions = [], []
+        for task, _label in TASKS:
+            for b in budgets:
+                r = cell.get((task, m, 1.0 if m == "full" else b))
+                if r is None:
+                    out.append("–")
+                    continue
+                value = f"{r['kl']:.4f}" if task == "fidelity" else f"{r['score']:.0%}"
+                out.append(f"{value} ({r['n']})")
+        for b in budgets:
+            rs = [r for r in rows if r["method"] == m and r["budget"] == (1.0 if m == "full" else b) and "cache_fraction" in r]
+            fractions.append(f"{sum(r['cache_fraction'] for r in rs) / len(rs):.3f}" if rs else "–")
+        print(f"| {m} | " + " | ".join(out) + " | " + " / ".join(fractions) + " |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
