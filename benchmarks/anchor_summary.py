@@ -7,6 +7,7 @@ cache bytes against the full cache (log-mass included).
 
 import json
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 from kvmerge_eval.runner import summarize
@@ -17,7 +18,10 @@ TASKS = [("niah", "needle"), ("multikey", "multikey"), ("single_inline", "in-sty
 def main(folders):
     raw = [json.loads(line) for f in folders for p in sorted(Path(f).glob("*.jsonl")) for line in p.open()]
     rows = summarize(raw)
-    budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, reverse=True)
+    ran = defaultdict(set)  # budget → tasks run at it
+    for r in rows:
+        ran[r["budget"]].add(r["task"])
+    budgets = sorted((b for b in ran if b != 1.0 and len(ran[b]) == len(TASKS)), reverse=True)  # complete columns
     cell = {(r["task"], r["method"], r["budget"]): r for r in rows}
     methods = sorted({r["method"] for r in rows}, key=lambda m: (m != "full", m))
     head = [f"{label} {b:.0%}" for _t, label in TASKS for b in budgets]
