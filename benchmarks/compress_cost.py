@@ -6,6 +6,7 @@ as compression, KVzip's reconstruction too; methods sharing KVzip's pass are tim
 """
 
 import argparse
+import sys
 
 import torch
 
@@ -35,6 +36,8 @@ def main():
         for name, _b, session, _logits in compressed_once(model, tok, [ids], [(m, args.budget) for m in methods]):
             rows[name].append(session.timings["compress_seconds"])  # one prefill, every method compresses a copy
         prefill.append(session.timings["prefill_seconds"])
+        print(f"{n} tokens, prefill {prefill[-1]:.2f} s: " + ", ".join(
+            f"{m} {rows[m][-1]:.3f}" for m in methods), file=sys.stderr, flush=True)
     print("| prefill | " + " | ".join(f"{p:.2f}" for p in prefill) + " |")
     for name in methods:
         print(f"| {name} | " + " | ".join(f"{c:.3f} ({100 * c / p:.0f}%)" for c, p in zip(rows[name], prefill)) + " |")
