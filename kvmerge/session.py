@@ -162,8 +162,6 @@ class Session:
         if chunk < protected:
             raise ValueError(f"prefill chunk of {chunk} tokens is smaller than the protected sinks + window "
                              f"({protected}): every chunk would be protected whole")
-        if not method.supports_chunked_prefill:
-            raise ValueError(f"{method.name} cannot compress chunk by chunk (use a one-shot prefill)")
 
     def feed_prompt(self, rows: list[list[int]], capture: int = 0, surprisal: bool = False):
         """Feed prompts keeping the last `capture` queries per full-attention layer (-1: all);

@@ -74,7 +74,6 @@ class Method:
     query_window: ClassVar[int] = 0
     needs_surprisal: ClassVar[bool] = False
     has_decode_policy: ClassVar[bool] = False
-    supports_chunked_prefill: ClassVar[bool] = True
 
     def __post_init__(self):
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):

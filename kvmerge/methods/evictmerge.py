@@ -62,10 +62,6 @@ class EvictMerge(ScoringMethod):
     def needs_surprisal(self) -> bool:
         return any(p.needs_surprisal for p in self._parts())
 
-    @property
-    def supports_chunked_prefill(self) -> bool:
-        return all(p.supports_chunked_prefill for p in self._parts())
-
     def setup(self, model, tokenizer):
         for part in self._parts():
             part.setup(model, tokenizer)

@@ -62,7 +62,6 @@ class KVzip(CarriedScores, ScoringMethod):
     def _reconstruct(self, session, token_rows, layers) -> dict:
         """Layer index → each row's fresh slots' scores `(h, fresh)`."""
         fresh = [context[len(context) - min(int(p), len(context)):] for context, p in zip(token_rows, session.plain)]
-        entries = session.cache.layers[layers[0]].entries
         scaling = attention_scaling(session.model.config)
         found = {i: [[] for _ in fresh] for i in layers}  # layer → row → chunks' scores (h, c)
 
@@ -70,7 +69,7 @@ class KVzip(CarriedScores, ScoringMethod):
             rows = [self.reconstruction(f, start) if start < len(f) else [] for f in fresh]
 
             def listen(i, query, layer, start=start, rows=rows):
-                live = _live_slots(layer, entries)
+                live = _live_slots(layer, layer.entries - query.shape[2])  # the slots before the probe
                 for b, ids in enumerate(rows):
                     if not ids:
                         continue
