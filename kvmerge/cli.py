@@ -122,13 +122,16 @@ def main(argv: list[str] | None = None) -> int:
         rows, profiles = bench.run_bench(model, args.methods, args.budget, args.lengths, args.batches, args.steps,
                                          args.out, tok, args.prefill_chunk)
         cols = ["length", "batch", "method", "ms_per_step", "tokens_per_s", "speedup", "cache_vs_full",
-                "compress_vs_prefill", "peak_extra_mb", "floor_ms", "vs_floor", "bandwidth_gbs"]
+                "compress_vs_prefill", "peak_extra_mb", "floor_ms", "vs_floor", "kernel_floor_ms", "vs_kernel_floor"]
         print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
         for r in rows:
             print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
         r = rows[0]
         print(f"floor = (weights + cache bytes) / copy bandwidth {r['bandwidth_gbs']:.1f} GB/s (best of "
               f"{r['bandwidth_before_gbs']:.1f} before and {r['bandwidth_after_gbs']:.1f} after the decode runs)")
+        print("kernel floor = torch's own linears over the weights (" + ", ".join(
+              f"batch {b}: {x['linear_ms']:.1f} ms" for b, x in {x["batch"]: x for x in rows}.items())
+              + f") + cache bytes / packed decode SDPA's read rate {r['attention_gbs']:.1f} GB/s, same run")
         for spec, parts in profiles.items():
             print(f"profile, {spec}, batch {max(args.batches)} x {max(args.lengths)} tokens, ms/step: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))

@@ -141,6 +141,9 @@ def test_bench_writes_side_by_side_rows(tmp_path):
     assert (tmp_path / "bench.csv").exists() and (tmp_path / "bench_speedup.png").exists()
     assert bias_overhead(tiny_model(), 128, 2, 2)["biased_ms"] > 0
     assert all(r["vs_floor"] > 0 and r["bandwidth_gbs"] >= r["bandwidth_before_gbs"] for r in rows)
+    for r in rows:  # the kernel floor: the linears at this batch plus the cache read at SDPA's measured rate
+        assert r["kernel_floor_ms"] == pytest.approx(r["linear_ms"] + r["cache_bytes"] / r["attention_gbs"] / 1e6)
+        assert r["linear_ms"] > 0 and r["vs_kernel_floor"] > 0
     for parts in profiles.values():  # the parts add up to the profiled step
         assert parts["attention"] > 0 and parts["cache append"] > 0
         assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"], rel=1e-6)
