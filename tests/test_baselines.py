@@ -230,6 +230,19 @@ def test_attention_probs_equals_naive_causal_softmax():
     assert torch.allclose(attention_probs(q, k, 0.3, log_n, chunk=64), naive, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [7, 64, 1000])
+def test_received_attention_equals_summed_naive_softmax(chunk):
+    from kvmerge.ops.scores import received_attention
+
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 6, 300, 8, generator=g), torch.randn(2, 2, 500, 8, generator=g)
+    log_n = torch.randn(2, 2, 500, generator=g).clamp_min(0)
+    logits = torch.einsum("bhqd,bhsd->bhqs", q, k.repeat_interleave(3, 1)) * 0.3 + log_n.repeat_interleave(3, 1)[:, :, None]
+    causal = torch.arange(500)[None, :] > (200 + torch.arange(300))[:, None]
+    naive = logits.masked_fill(causal, float("-inf")).softmax(-1).view(2, 2, 3, 300, 500).sum((2, 3))
+    assert torch.allclose(received_attention(q, k, 0.3, log_n, chunk=chunk), naive, rtol=1e-5, atol=1e-5)
+
+
 def test_calibrated_merge_reproduces_the_observed_attention_output():
     """With attention-calibrated merging, a query from the observation window sees the same
     attention output when evicted entries share their kept partner's key (weights are attention)."""

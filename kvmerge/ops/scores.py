@@ -31,9 +31,31 @@ def attention_probs(queries, keys, scaling: float, log_n=None, chunk: int = 256)
     return torch.cat(out, dim=2)
 
 
-def received_attention(queries, keys, scaling: float, log_n=None):
-    """Attention each slot received, summed over the queries and each GQA group: `(b, hkv, s)`."""
-    return attention_probs(queries, keys, scaling, log_n).sum(2)
+def received_attention(queries, keys, scaling: float, log_n=None, chunk: int = 256):
+    """Attention each slot received, summed over the queries and each GQA group: `(b, hkv, s)`
+    float32; equal to `attention_probs(...).sum(2)` without holding the `(q, s)` probabilities.
+
+    Per chunk of queries: one product for the logits, the causal mask on the chunk's own diagonal
+    block only, exp in place, and the row normalisation folded into the sum over rows (a product).
+    """
+    b, hq, q, d = queries.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    rep = hq // hkv
+    k = keys.float()
+    total = torch.zeros(b, hkv, s, dtype=torch.float32, device=keys.device)
+    for start in range(0, q, chunk):
+        c = min(chunk, q - start)
+        end = s - q + start + c  # keys after the chunk's last query are masked anyway
+        qc = queries[:, :, start:start + c].float().reshape(b, hkv, rep * c, d)
+        logits = torch.matmul(qc, k[:, :, :end].transpose(-1, -2)).mul_(scaling)  # (b, hkv, rep·c, end)
+        if log_n is not None:
+            logits += log_n[:, :, None, :end]
+        own = logits.view(b, hkv, rep, c, end)[..., end - c:]  # each query against the chunk's own keys
+        own.masked_fill_(torch.ones(c, c, dtype=torch.bool, device=keys.device).triu(1), float("-inf"))
+        logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+        weight = logits.sum(-1).reciprocal_()[:, :, None, :]  # (b, hkv, 1, rep·c): 1 / softmax normaliser
+        total[:, :, :end] += torch.matmul(weight, logits).squeeze(2)
+    return total
 
 
 def pool_scores(scores, kernel: int):
