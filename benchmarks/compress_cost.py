@@ -11,6 +11,7 @@ import sys
 import torch
 
 import kvmerge
+import kvmerge.model
 from kvmerge_eval.shared import compressed_once
 from kvmerge_eval.niah import haystack
 
@@ -21,9 +22,13 @@ def main():
     p.add_argument("--budget", type=float, default=0.25)
     p.add_argument("--methods", default="all", help="comma-separated specs, or all")
     p.add_argument("--model", default=None)
+    p.add_argument("--surprisal-exact-below", type=int, default=None,
+                   help="vocabulary size from which surprisal's normaliser is estimated (0: always)")
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     torch.set_num_threads(2)
+    if args.surprisal_exact_below is not None:
+        kvmerge.model.EXACT_SURPRISAL_BELOW = args.surprisal_exact_below
     model, tok = kvmerge.load_model(args.model)
     methods = ([m for m in kvmerge.available_methods() if m != "full"] if args.methods == "all"
                else args.methods.split(","))

@@ -2,6 +2,7 @@
 surprisemerge's exact share, and what it saves, on one model:
 
     .venv/bin/python benchmarks/surprisal_estimate.py gemma3-270m
+    .venv/bin/python benchmarks/surprisal_estimate.py smollm2-135m 0   # force the estimate (49k ids)
 """
 import sys, torch, kvmerge
 from kvmerge.model import token_surprisal
@@ -9,6 +10,7 @@ from kvmerge.ops.gsc import STRONG_ANCHOR, delimiter_table
 from kvmerge.ops.scores import sentence_mean
 from kvmerge_eval.runner import build_samples, prompt_ids
 name = sys.argv[1]
+below = int(sys.argv[2]) if len(sys.argv) > 2 else kvmerge.model.EXACT_SURPRISAL_BELOW
 model, tok = kvmerge.load_model(name)
 table = delimiter_table(tok)
 for task in ("niah", "fidelity"):
@@ -18,7 +20,7 @@ for task in ("niah", "fidelity"):
         with torch.inference_mode():
             _, hidden, x, _ = s._feed([ids], hidden=True)
             exact = token_surprisal(model, hidden, x, exact_below=10**9)
-            approx = token_surprisal(model, hidden, x)
+            approx = token_surprisal(model, hidden, x, exact_below=below)
         ends = table[x] == STRONG_ANCHOR
         se, sa = sentence_mean(exact, ends)[0], sentence_mean(approx, ends)[0]
         k = len(ids) // 16  # surprisemerge's exact share at 25%: a quarter of the budget
@@ -27,5 +29,5 @@ for task in ("niah", "fidelity"):
               f"max {float((exact-approx).abs().max()):.3f}; exact-share overlap {len(te & ta) / k:.3f}")
 import time
 with torch.inference_mode():
-    t0=time.perf_counter(); token_surprisal(model, hidden, x, exact_below=10**9); t1=time.perf_counter(); token_surprisal(model, hidden, x); t2=time.perf_counter()
+    t0=time.perf_counter(); token_surprisal(model, hidden, x, exact_below=10**9); t1=time.perf_counter(); token_surprisal(model, hidden, x, exact_below=below); t2=time.perf_counter()
 print(f"exact {t1-t0:.2f}s estimated {t2-t1:.2f}s")

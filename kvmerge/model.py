@@ -50,7 +50,7 @@ def check_supported(model) -> None:
     layer_windows(config)  # raises on layer types other than full and sliding attention
 
 
-EXACT_SURPRISAL_BELOW = 65536
+EXACT_SURPRISAL_BELOW = 65536  # vocabularies this large get an estimated surprisal normaliser (settable)
 
 
 def attention_scaling(config) -> float:
@@ -144,11 +144,12 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype
 
 @torch.inference_mode()
 def token_surprisal(model, hidden: torch.Tensor, ids: torch.Tensor, chunk: int = 512,
-                    exact_below: int = EXACT_SURPRISAL_BELOW) -> torch.Tensor:
+                    exact_below: int | None = None) -> torch.Tensor:
     """−log p(token_t | tokens_<t) `(b, n)` float32 from the decoder's final hidden states `(b, n, d)`
     and the ids `(b, n)`; position 0 (nothing to predict it from) scores 0. The LM head runs `chunk`
-    positions at a time. A vocabulary of `exact_below` ids or more gets an estimated normaliser
-    (see `_normaliser_ids`), so that a 262k-id head costs about a tenth as much."""
+    positions at a time. A vocabulary of `exact_below` ids or more (default: the module's
+    `EXACT_SURPRISAL_BELOW`, read at call time) gets an estimated normaliser (see `_normaliser_ids`),
+    so that a 262k-id head costs about a tenth as much."""
     head = model.get_output_embeddings()
     cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
 
@@ -157,6 +158,7 @@ def token_surprisal(model, hidden: torch.Tensor, ids: torch.Tensor, chunk: int =
         return torch.tanh(z / cap) * cap if cap else z
 
     vocab = head.weight.shape[0]
+    exact_below = EXACT_SURPRISAL_BELOW if exact_below is None else exact_below
     shortlist, sample = (None, None) if vocab < exact_below else _normaliser_ids(logits_of, hidden, ids, vocab)
     out = torch.zeros(ids.shape, dtype=torch.float32)
     for start in range(0, ids.shape[1] - 1, chunk):

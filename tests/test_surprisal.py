@@ -102,3 +102,20 @@ def test_estimated_normaliser_is_exact_when_its_sample_covers_the_vocabulary():
         loss = torch.nn.functional.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:], reduction="none")
     assert torch.allclose(exact[0, 1:], loss, atol=1e-4)
     assert torch.allclose(covered, exact, atol=1e-4)
+
+
+def test_the_estimate_threshold_is_read_at_call_time(monkeypatch):
+    import kvmerge.model as km
+
+    model = tiny_model(vocab_size=3000)
+    s = kvmerge.Session(model, 1)
+    with torch.no_grad():
+        _, hidden, x, _ = s._feed([random_ids(100, seed=12, vocab=3000)], hidden=True)
+        calls = []
+        real = km._normaliser_ids
+        monkeypatch.setattr(km, "_normaliser_ids", lambda *a: calls.append(1) or real(*a))
+        km.token_surprisal(model, hidden, x)
+        assert calls == []  # 3000 ids: exact
+        monkeypatch.setattr(km, "EXACT_SURPRISAL_BELOW", 0)
+        km.token_surprisal(model, hidden, x)
+        assert calls == [1]
