@@ -1,5 +1,6 @@
 """The question-agnostic anchors: scores checked against hand-computed cases."""
 
+import pytest
 import torch
 
 import kvmerge
@@ -81,9 +82,10 @@ def test_expected_attention_equals_a_direct_computation_from_pre_rope_queries():
     assert s.cache.entries == [20, 20]
 
 
-def _kvzip_explicit(queries, keys, sinks, chunk, scaling):
-    """KVzip's score written out: query head by query head, position by position."""
-    hq, q, _ = queries.shape
+def _kvzip_explicit(queries, keys, sinks, chunk, scaling, plus=None):
+    """KVzip's score written out: query head by query head, position by position. `plus`: KVzip+'s
+    (attention-input norm per position `(q,)`, values `(h, k, d)`, o_proj weight `(hidden, hq·d)`)."""
+    hq, q, d = queries.shape
     h = keys.shape[0]
     best = torch.zeros(h, chunk)
     for head in range(hq):
@@ -91,6 +93,10 @@ def _kvzip_explicit(queries, keys, sinks, chunk, scaling):
         for j in range(q):
             visible = keys[kv, :sinks + chunk + j + 1]  # sinks, chunk, own keys up to itself
             probs = torch.softmax(visible @ queries[head, j] * scaling, -1)
+            if plus is not None:
+                norms, values, w_o = plus
+                through = values[kv, :sinks + chunk + j + 1] @ w_o[:, head * d:(head + 1) * d].T  # (k, hidden)
+                probs = probs * through.norm(dim=-1) / norms[j]
             best[kv] = torch.maximum(best[kv], probs[sinks:sinks + chunk])
     return best
 
@@ -102,9 +108,9 @@ def test_reconstruction_attention_equals_the_explicit_softmax_with_gqa():
     assert torch.allclose(got, _kvzip_explicit(queries, keys, 3, 7, 0.3), atol=1e-6)
 
 
-def _kvzip_session(model, ctx, chunk):
+def _kvzip_session(model, ctx, chunk, plus=False):
     from .conftest import TinyTokenizer
-    m = kvmerge.get_method("kvzip", budget=0.5, window=8, chunk=chunk)
+    m = kvmerge.get_method("kvzip", budget=0.5, window=8, chunk=chunk, plus=plus)
     s = kvmerge.Session(model, 1, m, TinyTokenizer())
     fed = []
     probe = s.probe
@@ -126,11 +132,12 @@ def test_kvzip_reconstruction_repeats_the_context_chunk_by_chunk():
     assert m._turn_end == [10 + ord("\n")]  # no chat template: a newline opens the answer
 
 
-def test_kvzip_scores_equal_an_explicit_reconstruction_and_the_probe_leaves_the_cache_as_it_was():
+@pytest.mark.parametrize("plus", [False, True])
+def test_kvzip_scores_equal_an_explicit_reconstruction_and_the_probe_leaves_the_cache_as_it_was(plus):
     from kvmerge.model import attention_scaling
     from .conftest import random_ids, tiny_model
     model, ctx = tiny_model(), random_ids(60, seed=5)
-    m, s, fed = _kvzip_session(model, ctx, chunk=30)
+    m, s, fed = _kvzip_session(model, ctx, chunk=30, plus=plus)
     scaling = attention_scaling(model.config)
     reference = kvmerge.Session(model, 1)
     with torch.no_grad():
@@ -140,10 +147,14 @@ def test_kvzip_scores_equal_an_explicit_reconstruction_and_the_probe_leaves_the_
             r = kvmerge.Session(model, 1)
             r.feed_prompt([ctx])
             r.forward([rows], capture=-1)
+            inputs = model(torch.tensor([ctx + rows]), output_hidden_states=True).hidden_states
             for i in r.cache.compressible:
-                keys = r.cache.layers[i].keys[0]
-                keys = torch.cat([keys[:, :sinks], keys[:, 30 * c:30 * c + 30], keys[:, 60:]], 1)
-                want = _kvzip_explicit(r.states[i].queries[0], keys, sinks, 30, scaling)
+                keys, values = (torch.cat([x[:, :sinks], x[:, 30 * c:30 * c + 30], x[:, 60:]], 1)
+                                for x in (r.cache.layers[i].keys[0], r.cache.layers[i].values[0]))
+                layer = model.model.layers[i]
+                norms = layer.input_layernorm(inputs[i])[0, 60:].norm(dim=-1)  # the attention input
+                want = _kvzip_explicit(r.states[i].queries[0], keys, sinks, 30, scaling,
+                                       (norms, values, layer.self_attn.o_proj.weight) if plus else None)
                 got = s.states[i].scratch["_kvzip_fresh"][0][:, 30 * c:30 * c + 30]
                 assert torch.allclose(got, want, atol=1e-5), (c, i)
 
@@ -184,3 +195,18 @@ def test_probe_leaves_a_hybrid_models_sliding_layers_as_they_were():
         assert sorted(set(seen)) == probed.cache.compressible  # full-attention layers only
         for step in ([[3, 4], [5]], [[6], [7]]):
             assert torch.equal(probed.forward(step), plain.forward(step))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_kvzip_plus_on_a_ragged_batch_equals_each_row_alone(arch):
+    from .conftest import TinyTokenizer, random_ids, tiny_model
+    from .test_hybrid import gemma3
+    model = gemma3() if arch == "gemma3" else tiny_model()
+    m = kvmerge.get_method("kvzip", budget=0.25, window=8, plus=True, chunk=64)
+    ctx, qs = [random_ids(160, seed=1), random_ids(120, seed=2)], [[3, 4], [5]]
+    out = kvmerge.generate_ids(model, ctx, qs, m, max_new_tokens=6, tokenizer=TinyTokenizer())
+    alone = [kvmerge.generate_ids(model, c, q, m, max_new_tokens=6, tokenizer=TinyTokenizer()).tokens[0]
+             for c, q in zip(ctx, qs)]
+    assert out.tokens == alone
+    if arch == "llama":  # (a hybrid's sliding layers keep their window)
+        assert max(out.stats["cache_entries"]) <= m.target(160)

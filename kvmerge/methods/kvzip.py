@@ -24,10 +24,16 @@ class KVzip(CarriedScores, ScoringMethod):
     and the reconstruction's own keys (causal). The reconstruction's KV is discarded. Costs about a
     second prefill. Budget: uniform per layer and head (equal bytes; the paper's global budget
     across layers and heads would need ragged heads). Chunked prefill: each fresh chunk is
-    reconstructed when it arrives; kept entries keep their scores."""
+    reconstructed when it arrives; kept entries keep their scores.
+
+    `plus=True` is KVzip+ (kvpress's `kvzip_plus_normalization`): each probability is divided by the
+    norm of the reconstruction position's attention input (the layer's normalised hidden state) and
+    multiplied by the norm of the entry's value through its query head's output projection,
+    ‖W_O,head · v‖, before the max."""
 
     chunk: int = 2048
     postfix: int = 8
+    plus: bool = False
     name = "kvzip"
     FIRST: ClassVar[str] = "\n\nRepeat the previous context exactly."
     LATER: ClassVar[str] = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -53,7 +59,7 @@ class KVzip(CarriedScores, ScoringMethod):
     def before_compress(self, session, token_rows, layers):
         if token_rows is None:
             raise ValueError("kvzip needs the prompt's token ids to reconstruct it")
-        key = (self.name, self.chunk, self.postfix, self.sinks)  # one pass serves every budget
+        key = (self.name, self.chunk, self.postfix, self.sinks, self.plus)  # one pass serves every budget
         if key not in session.memo:
             session.memo[key] = self._reconstruct(session, token_rows, layers)
         for i in layers:
@@ -64,6 +70,7 @@ class KVzip(CarriedScores, ScoringMethod):
         fresh = [context[len(context) - min(int(p), len(context)):] for context, p in zip(token_rows, session.plain)]
         scaling = attention_scaling(session.model.config)
         found = {i: [[] for _ in fresh] for i in layers}  # layer → row → chunks' scores (h, c)
+        plus = _PlusNorms(session.model, layers) if self.plus else None
 
         for start in range(0, max(len(f) for f in fresh), self.chunk):
             rows = [self.reconstruction(f, start) if start < len(f) else [] for f in fresh]
@@ -79,11 +86,16 @@ class KVzip(CarriedScores, ScoringMethod):
                     own = torch.arange(layer.entries - q, layer.entries, device=slots.device)
                     picked = torch.cat([sinks, slots, own])
                     log_n = None if layer.log_n is None else layer.log_n[b][:, picked]
+                    rows_cols = (None, None) if plus is None else plus.scales(i, b, q, layer.values[b][:, picked])
                     found[i][b].append(reconstruction_attention(
                         query[b, :, query.shape[2] - q:], layer.keys[b][:, picked], log_n, len(sinks),
-                        scaling))
+                        scaling, *rows_cols))
 
-            session.probe(rows, listen)
+            if plus is None:
+                session.probe(rows, listen)
+            else:
+                with plus:
+                    session.probe(rows, listen)
         return {i: [torch.cat(chunks, -1) if chunks else None for chunks in found[i]] for i in layers}
 
     def scores(self, keys, log_n, ctx):
@@ -93,6 +105,42 @@ class KVzip(CarriedScores, ScoringMethod):
         f = min(fresh[int(b)].shape[-1] for b in ctx.rows)
         return self.with_carried(torch.stack([fresh[int(b)][:, -f:] for b in ctx.rows]).to(keys.device),
                                  keys.shape[2], ctx)
+
+
+class _PlusNorms:
+    """KVzip+'s scales: while active, records the norm of each layer's attention input per position;
+    `scales` gives (1 / those norms for a row's last q positions `(q,)`, ‖W_O,j v‖ `(hq, k)` for
+    values `(h, k, d)`), the latter through each head's Gram matrix W_O,j W_O,jᵀ `(d, d)`."""
+
+    def __init__(self, model, layers):
+        self.modules = {m.layer_idx: m for m in model.modules()
+                        if getattr(m, "layer_idx", None) in layers and hasattr(m, "o_proj")}
+        self.norms, self._hooks, self._gram = {}, [], {}
+
+    def __enter__(self):
+        def hook(module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            self.norms[module.layer_idx] = hidden.float().norm(dim=-1)  # (b, width)
+        self._hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in self.modules.values()]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        self.norms.clear()
+
+    def scales(self, i: int, b: int, q: int, values: torch.Tensor):
+        if i not in self._gram:
+            w = self.modules[i].o_proj.weight.float()  # (hidden, hq·d)
+            hq_d = w.shape[1]
+            d = values.shape[-1]
+            wt = w.T.reshape(hq_d // d, d, -1)  # per query head (d, hidden)
+            self._gram[i] = wt @ wt.transpose(1, 2)  # (hq, d, d)
+        gram = self._gram[i]
+        g = gram.shape[0] // values.shape[0]
+        v = values.float().repeat_interleave(g, 0)  # (hq, k, d)
+        column = ((v @ gram) * v).sum(-1).clamp_min(0).sqrt()
+        return 1.0 / self.norms[i][b, -q:], column
 
 
 def _live_slots(layer, entries: int) -> list[torch.Tensor]:

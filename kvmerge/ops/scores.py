@@ -115,12 +115,13 @@ def sentence_mean(values, is_end):
     return (total / count.clamp_min(1)).gather(-1, seg)
 
 
-def reconstruction_attention(queries, keys, log_n, sinks: int, scaling: float):
+def reconstruction_attention(queries, keys, log_n, sinks: int, scaling: float, row_scale=None, column_scale=None):
     """KVzip's score for one row's context chunk: queries `(hq, q, d)` of the reconstruction, keys
     `(h, k, d)` and log_n `(h, k)` (or None) laid out [sinks; chunk; the q reconstruction tokens' own]
     → `(h, k - sinks - q)`: for each chunk key, the highest attention probability any query head of
     its group gives it at any reconstruction position, the softmax over all k keys (causal among the
-    reconstruction's own)."""
+    reconstruction's own). KVzip+: each probability times `row_scale` `(q,)` of its position and
+    `column_scale` `(hq, k)` of its query head and key before the max."""
     hq, q, _d = queries.shape
     h, k, _ = keys.shape
     g, chunk = hq // h, k - sinks - q
@@ -132,5 +133,7 @@ def reconstruction_attention(queries, keys, log_n, sinks: int, scaling: float):
         if log_n is not None:
             logits = logits + log_n[j].float()
         probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+        if row_scale is not None:
+            probs = probs * row_scale[None, :, None] * column_scale[j * g:(j + 1) * g, None, :]
         out.append(probs[:, :, sinks:sinks + chunk].amax(dim=(0, 1)))
     return torch.stack(out)
