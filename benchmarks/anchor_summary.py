@@ -18,25 +18,25 @@ TASKS = [("niah", "needle"), ("multikey", "multikey"), ("single_inline", "in-sty
 def main(folders):
     raw = [json.loads(line) for f in folders for p in sorted(Path(f).glob("*.jsonl")) for line in p.open()]
     rows = summarize(raw)
-    ran = defaultdict(set)  # budget → tasks run at it
+    ran = defaultdict(set)  # task → budgets it ran at
     for r in rows:
-        ran[r["budget"]].add(r["task"])
-    budgets = sorted((b for b in ran if b != 1.0 and len(ran[b]) == len(TASKS)), reverse=True)  # complete columns
+        ran[r["task"]].add(r["budget"])
+    budgets = sorted({b for bs in ran.values() for b in bs if b != 1.0}, reverse=True)
+    columns = [(task, label, b) for task, label in TASKS for b in budgets if b in ran[task]]
     cell = {(r["task"], r["method"], r["budget"]): r for r in rows}
     methods = sorted({r["method"] for r in rows}, key=lambda m: (m != "full", m))
-    head = [f"{label} {b:.0%}" for _t, label in TASKS for b in budgets]
+    head = [f"{label} {b:.0%}" for _t, label, b in columns]
     print("| method | " + " | ".join(head) + " | bytes/full at " + " / ".join(f"{b:.0%}" for b in budgets) + " |")
     print("|---|" + "---|" * (len(head) + 1))
     for m in methods:
         out, fractions = [], []
-        for task, _label in TASKS:
-            for b in budgets:
-                r = cell.get((task, m, 1.0 if m == "full" else b))
-                if r is None:
-                    out.append("–")
-                    continue
-                value = f"{r['kl']:.4f}" if task == "fidelity" else f"{r['score']:.0%}"
-                out.append(f"{value} ({r['n']})")
+        for task, _label, b in columns:
+            r = cell.get((task, m, 1.0 if m == "full" else b))
+            if r is None:
+                out.append("–")
+                continue
+            value = f"{r['kl']:.4f}" if task == "fidelity" else f"{r['score']:.0%}"
+            out.append(f"{value} ({r['n']})")
         for b in budgets:
             rs = [r for r in rows if r["method"] == m and r["budget"] == (1.0 if m == "full" else b) and "cache_fraction" in r]
             fractions.append(f"{sum(r['cache_fraction'] for r in rs) / len(rs):.3f}" if rs else "–")
