@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -91,11 +92,8 @@ class KVzip(CarriedScores, ScoringMethod):
                         query[b, :, query.shape[2] - q:], layer.keys[b][:, picked], log_n, len(sinks),
                         scaling, *rows_cols))
 
-            if plus is None:
+            with plus or nullcontext():
                 session.probe(rows, listen)
-            else:
-                with plus:
-                    session.probe(rows, listen)
         return {i: [torch.cat(chunks, -1) if chunks else None for chunks in found[i]] for i in layers}
 
     def scores(self, keys, log_n, ctx):
@@ -131,11 +129,9 @@ class _PlusNorms:
 
     def scales(self, i: int, b: int, q: int, values: torch.Tensor):
         if i not in self._gram:
-            w = self.modules[i].o_proj.weight.float()  # (hidden, hq·d)
-            hq_d = w.shape[1]
-            d = values.shape[-1]
-            wt = w.T.reshape(hq_d // d, d, -1)  # per query head (d, hidden)
-            self._gram[i] = wt @ wt.transpose(1, 2)  # (hq, d, d)
+            w = self.modules[i].o_proj.weight.float().T  # (hq·d, hidden)
+            per_head = w.reshape(-1, values.shape[-1], w.shape[1])  # (hq, d, hidden)
+            self._gram[i] = per_head @ per_head.transpose(1, 2)  # (hq, d, d)
         gram = self._gram[i]
         g = gram.shape[0] // values.shape[0]
         v = values.float().repeat_interleave(g, 0)  # (hq, k, d)
