@@ -11,3 +11,5 @@ $K eval --model $MODEL --task niah --methods $M --budgets $B --lengths 2048 --sa
 $K eval --model $MODEL --task ruler --subtasks multikey --methods $M --budgets $B --lengths 2048 --samples 10 --out $OUT
 $K eval --model $MODEL --task ruler --subtasks single_inline --methods $M --budgets $B --lengths 2048 --samples 10 --out $OUT
 $K eval --model $MODEL --task fidelity --methods $M --budgets $B --lengths 2048 --samples 6 --out $OUT
+
+.venv/bin/kvmerge eval --model smollm2-135m --task niah --methods kvzip:plus=true --budgets 0.25,0.1 --lengths 4096 --samples 10 --out results/anchors/smollm2-135m-4k-plus
