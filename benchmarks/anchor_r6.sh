@@ -25,3 +25,7 @@ mkdir -p /work/logs
 smol > /work/logs/r6_smol.log 2>&1 &
 gemma > /work/logs/r6_gemma.log 2>&1 &
 wait
+# Then (session 6, after the lanes above): Gemma's 2k needles at 10 samples (new depths, so a new
+# folder) and at 4k:
+#   .venv/bin/kvmerge eval --model gemma3-270m --task niah --methods full,snapkv,streamingllm,kvzip,kvzip:plus=true,expected_attention,keydiff,surprisemerge --budgets 0.25,0.1 --lengths 2048 --samples 10 --out results/anchors/gemma3-270m-n10
+#   LENGTH=4096 N=5 benchmarks/anchor_gemma_long.sh
