@@ -30,11 +30,14 @@ def bandwidth(mbytes: int = 512, repeats: int = 10) -> float:
 
 
 def _best_ms(fn, repeats: int = 5) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
     best = float("inf")
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return 1e3 * best
 
@@ -49,15 +52,15 @@ def kernel_floor(model, batches, length: int) -> dict:
     linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     linear_ms = {}
     for batch in batches:
-        xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in linears}
+        xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in linears}
         linear_ms[batch] = _best_ms(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in linears])
     cfg = model.config.get_text_config(decoder=True)
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     b = max(batches)
-    dtype = next(model.parameters()).dtype
-    q = torch.randn(b, hq, 1, d, dtype=dtype)
-    k, v = (torch.randn(b, hkv, length, d, dtype=dtype) for _ in range(2))
+    p = next(model.parameters())
+    q = torch.randn(b, hq, 1, d, dtype=p.dtype, device=p.device)
+    k, v = (torch.randn(b, hkv, length, d, dtype=p.dtype, device=p.device) for _ in range(2))
     ms = _best_ms(lambda: packed_decode_sdpa(q, k, v))
     return {"linear_ms": linear_ms, "attention_gbs": 2 * k.numel() * k.element_size() / ms / 1e6}
 
