@@ -29,3 +29,4 @@ wait
 # folder) and at 4k:
 #   .venv/bin/kvmerge eval --model gemma3-270m --task niah --methods full,snapkv,streamingllm,kvzip,kvzip:plus=true,expected_attention,keydiff,surprisemerge --budgets 0.25,0.1 --lengths 2048 --samples 10 --out results/anchors/gemma3-270m-n10
 #   LENGTH=4096 N=5 benchmarks/anchor_gemma_long.sh
+#   .venv/bin/kvmerge eval --model gemma3-270m --task niah --methods kvzip:plus=true --budgets 0.25,0.1 --lengths 4096 --samples 5 --out results/anchors/gemma3-270m-4096-plus
