@@ -1,5 +1,5 @@
 """Issue #18: one decode step over a plain (full) cache with transformers' stock SDPA call (GQA by
-`enable_gqa`) against kvmerge's `packed_decode_sdpa` (query heads packed per KV head), alternated in
+`enable_gqa`) against kvmerge's `packed_sdpa` (query heads packed per KV head), alternated in
 one process on one prefilled cache so the machine's noise hits both alike.
 
     python benchmarks/decode_gqa_ab.py 8192 8      # context tokens, batch
@@ -15,10 +15,10 @@ import kvmerge.attention as attention
 from kvmerge import Session
 from kvmerge.model import load_model
 
-packed = attention.packed_decode_sdpa
+packed = attention.packed_sdpa
 
 
-def stock(query, key, value, scaling=None):
+def stock(query, key, value, bias=None, scaling=None):
     class Module:
         num_key_value_groups = query.shape[1] // key.shape[1]
 
@@ -36,13 +36,13 @@ def main(n: int, batch: int, rounds: int = 4, steps: int = 4) -> None:
     ms = {"stock": [], "packed": []}
     for _ in range(rounds):
         for name, fn in (("stock", stock), ("packed", packed)):
-            attention.packed_decode_sdpa = fn
+            attention.packed_sdpa = fn
             session.forward(token)
             t0 = time.perf_counter()
             for _ in range(steps):
                 session.forward(token)
             ms[name].append(1e3 * (time.perf_counter() - t0) / steps)
-    attention.packed_decode_sdpa = packed
+    attention.packed_sdpa = packed
     s, p = (sorted(ms[k])[rounds // 2] for k in ("stock", "packed"))
     print(f"{n} tokens x batch {batch}: stock {s:.1f} ms/step, packed {p:.1f} ms/step (median of {rounds}), "
           f"packed/stock {p / s:.2f}")

@@ -48,29 +48,26 @@ def biased_sdpa(query, key, value, log_n, scaling=None, window=None):
     query `(b, hq, q, d)`, key/value `(b, hkv, s, d)`, log_n `(b, hkv, s)` → `(b, q, hq, d)`;
     `window`: a sliding layer's mask (see `attention_bias`).
     """
-    b, hq, q, d = query.shape
-    hkv = key.shape[1]
-    rep = hq // hkv
+    q, hkv = query.shape[2], key.shape[1]
+    rep = query.shape[1] // hkv
     if q > 1 and (hkv == 1 or bool((log_n == log_n[:, :1]).all())):  # one mask for every head (no merges yet)
         bias = attention_bias(log_n[:, :1], q, query.dtype, window)  # (b, 1, q, s): not repeated per head
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scaling, enable_gqa=rep > 1)
         return out.transpose(1, 2)
-    bias = attention_bias(log_n, q, query.dtype, window)  # (b, hkv, q, s)
-    packed = query.reshape(b, hkv, rep * q, d)
-    if q > 1 and rep > 1:
-        bias = bias[:, :, None].expand(b, hkv, rep, q, bias.shape[-1]).reshape(b, hkv, rep * q, -1)
-    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=bias, scale=scaling)
-    return out.reshape(b, hq, q, value.shape[-1]).transpose(1, 2)
+    return packed_sdpa(query, key, value, attention_bias(log_n, q, query.dtype, window), scaling)
 
 
-def packed_decode_sdpa(query, key, value, scaling=None):
-    """One decoding query per row over a plain cache: SDPA with the query heads of each KV group packed
-    as that head's queries (`(b, hq, 1, d)` → `(b, 1, hq, d)`), no mask. On CPU this reads K/V faster
-    than SDPA's `enable_gqa` (the stock path for an unmasked step)."""
-    b, hq, _, d = query.shape
+def packed_sdpa(query, key, value, bias=None, scaling=None):
+    """SDPA with GQA by packing each KV group's query heads as that head's queries (no repeat_kv; on
+    CPU this also reads K/V faster than SDPA's `enable_gqa`). query `(b, hq, q, d)`, key/value
+    `(b, hkv, s, d)`, optional additive bias `(b, hkv, q, s)` → `(b, q, hq, d)`."""
+    b, hq, q, d = query.shape
     hkv = key.shape[1]
-    out = F.scaled_dot_product_attention(query.reshape(b, hkv, hq // hkv, d), key, value, scale=scaling)
-    return out.reshape(b, 1, hq, value.shape[-1])
+    rep = hq // hkv
+    if bias is not None and q > 1 and rep > 1:
+        bias = bias[:, :, None].expand(b, hkv, rep, q, bias.shape[-1]).reshape(b, hkv, rep * q, -1)
+    out = F.scaled_dot_product_attention(query.reshape(b, hkv, rep * q, d), key, value, attn_mask=bias, scale=scaling)
+    return out.reshape(b, hq, q, value.shape[-1]).transpose(1, 2)
 
 
 def proportional_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -101,7 +98,7 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, kvme
                          "or kvmerge.compressing), which carries the positions its window mask needs")
     window_binds = kvmerge_window is not None and kv_len > kvmerge_window[0]
     if kvmerge_log_n is None and q_len == 1 and not window_binds:
-        out = packed_decode_sdpa(query, key, value, scaling)
+        out = packed_sdpa(query, key, value, None, scaling)  # a decoding step on a plain cache
     elif kvmerge_log_n is None and kv_len == q_len and not window_binds:
         out, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
                                         is_causal=True, **kwargs)

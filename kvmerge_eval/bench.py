@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kvmerge import Session, method_from_spec
-from kvmerge.attention import biased_sdpa, packed_decode_sdpa
+from kvmerge.attention import biased_sdpa, packed_sdpa
 from kvmerge.cache import stock_cache_bytes
 from . import fidelity
 
@@ -21,12 +21,7 @@ def bandwidth(mbytes: int = 512, repeats: int = 10) -> float:
     """Bytes per second of a large tensor copy (read + write counted), the best of `repeats`."""
     a = torch.ones(mbytes * 2**20 // 4)
     b = torch.empty_like(a)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.numel() * 4 / best
+    return 2 * a.numel() * 4 / (_best_ms(lambda: b.copy_(a), repeats) / 1e3)
 
 
 def _best_ms(fn, repeats: int = 5) -> float:
@@ -61,7 +56,7 @@ def kernel_floor(model, batches, length: int) -> dict:
     p = next(model.parameters())
     q = torch.randn(b, hq, 1, d, dtype=p.dtype, device=p.device)
     k, v = (torch.randn(b, hkv, length, d, dtype=p.dtype, device=p.device) for _ in range(2))
-    ms = _best_ms(lambda: packed_decode_sdpa(q, k, v))
+    ms = _best_ms(lambda: packed_sdpa(q, k, v))
     return {"linear_ms": linear_ms, "attention_gbs": 2 * k.numel() * k.element_size() / ms / 1e6}
 
 
