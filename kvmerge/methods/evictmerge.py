@@ -7,6 +7,7 @@ import torch
 from ..ops.merge import merge_into_kept
 from ..ops.scores import fill_protected, received_attention, top_slots
 from .base import ScoringMethod
+from .expected_attention import ExpectedAttention
 from .registry import register
 from .snapkv import SnapKV
 from .surprisal import Surprisal
@@ -23,7 +24,9 @@ class EvictMerge(ScoringMethod):
     `calibrate=True`: weights are the attention each entry received from the last `obs_window`
     prompt queries; kept keys stay, values are attention-weighted means and the logit bias is
     log(cluster attention / kept entry's attention). `calibrate=False`: count weights (degree-weighted
-    means of keys and values, log-count bias, mass conserved).
+    means of keys and values, log-count bias, mass conserved). `calibrate_with="expected"`: the
+    weights are Expected Attention's expected probabilities instead (`base`'s own when it is
+    `expected_attention`, so merges follow the model its selection was made by).
     `recent`: the recent window grows to this fraction of the layer's budget (at least `window`).
     `exact`: this fraction of the budget is picked first by `exact_by`'s scores (outside sinks and
     window) and absorbs nothing; `whole`: the exact share's last pick is completed (all entries
@@ -33,6 +36,7 @@ class EvictMerge(ScoringMethod):
     base: ScoringMethod = field(default_factory=SnapKV)
     min_cosine: float = -1.0
     calibrate: bool = True
+    calibrate_with: str = "observed"
     obs_window: int = 32
     recent: float = 0.75
     exact: float = 0.0
@@ -45,17 +49,23 @@ class EvictMerge(ScoringMethod):
         if not 0.0 <= self.exact <= 1.0 or not 0.0 <= self.recent <= 1.0:
             raise ValueError(f"exact and recent must be fractions in [0, 1], got exact={self.exact}, "
                              f"recent={self.recent}")
+        if self.calibrate_with not in ("observed", "expected"):
+            raise ValueError(f"calibrate_with must be 'observed' or 'expected', got {self.calibrate_with!r}")
+        self._expected = (self.base if isinstance(self.base, ExpectedAttention) else ExpectedAttention()) \
+            if self.calibrate and self.calibrate_with == "expected" else None
         for part in ("base", "exact_by"):
             if type(getattr(self, part)).scores is ScoringMethod.scores:
                 raise TypeError(f"{part} must be a scoring method (one that defines scores), "
                                 f"got {type(getattr(self, part)).__name__}")
 
     def _parts(self):
-        return [self.base] + ([self.exact_by] if self.exact > 0 else [])
+        parts = [self.base] + ([self.exact_by] if self.exact > 0 else [])
+        return parts + ([self._expected] if self._expected is not None and self._expected is not self.base else [])
 
     @property
     def query_window(self) -> int:
-        windows = [p.query_window for p in self._parts()] + ([self.obs_window] if self.calibrate else [])
+        observed = self.calibrate and self._expected is None
+        windows = [p.query_window for p in self._parts()] + ([self.obs_window] if observed else [])
         return -1 if min(windows) < 0 else max(windows)
 
     @property
@@ -102,6 +112,8 @@ class EvictMerge(ScoringMethod):
         for part in self._parts():
             part.selected(idx, ctx)
         attention = None
-        if self.calibrate:
+        if self._expected is not None:
+            attention = self._expected.probabilities(keys, log_n, ctx)
+        elif self.calibrate:
             attention = received_attention(ctx.queries[:, :, -self.obs_window:], keys, ctx.scaling, log_n)
         return merge_into_kept(keys, values, log_n, idx, self.min_cosine, protect, attention)

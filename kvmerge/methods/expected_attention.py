@@ -65,9 +65,11 @@ class ExpectedAttention(ScoringMethod):
         rot = torch.diag(c) + torch.diag(s) @ rotate_half(torch.eye(d, device=mu.device)).T  # R̄ x = c⊙x + s⊙rot(x)
         return mu * c + rotate_half(mu) * s, rot @ sigma @ rot.T
 
-    def scores(self, keys, log_n, ctx):
-        if ctx.queries is None or ctx.values is None:
-            raise ValueError("expected_attention needs the prompt's queries and the cached values (prefill)")
+    def probabilities(self, keys, log_n, ctx) -> torch.Tensor:
+        """`(b, hkv, s)`: each entry's expected attention (a softmax over the non-sink entries, averaged
+        over the KV group's query heads), before the value-norm weighting."""
+        if ctx.queries is None:
+            raise ValueError("expected_attention needs the prompt's queries (prefill)")
         b, hkv, slots, d = keys.shape
         mu, sigma = self.statistics(ctx.queries, ctx.seen or slots)
         hq = mu.shape[1]
@@ -77,7 +79,12 @@ class ExpectedAttention(ScoringMethod):
             z = z + 0.5 * ctx.scaling ** 2 * torch.einsum("bhsd,bhde,bhse->bhs", k, sigma, k)
         z = z + log_n.float().repeat_interleave(hq // hkv, dim=1)
         z[..., :min(self.n_sink, slots)] = float("-inf")
-        probs = z.softmax(-1).view(b, hkv, hq // hkv, slots).mean(2)
+        return z.softmax(-1).view(b, hkv, hq // hkv, slots).mean(2)
+
+    def scores(self, keys, log_n, ctx):
+        if ctx.values is None:
+            raise ValueError("expected_attention needs the cached values (prefill)")
+        probs = self.probabilities(keys, log_n, ctx)
         if self.use_vnorm:
             probs = (probs + self.epsilon) * ctx.values.float().norm(dim=-1)
         return probs
