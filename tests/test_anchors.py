@@ -210,3 +210,38 @@ def test_kvzip_plus_on_a_ragged_batch_equals_each_row_alone(arch):
     assert out.tokens == alone
     if arch == "llama":  # (a hybrid's sliding layers keep their window)
         assert max(out.stats["cache_entries"]) <= m.target(160)
+
+
+@pytest.mark.parametrize("with_mass", [False, True])
+def test_merges_calibrated_by_expected_attention_keep_its_selection_and_reproduce_the_expected_query(with_mass):
+    """`evictmerge:base=expected_attention:recent=0:calibrate_with=expected`: the kept entries are
+    exactly EA's, and the mean future query μ̄ (no GQA, no covariance) reads the same attention output
+    from the merged cache as from the full one: each cluster's expected mass lands on its kept entry."""
+    from kvmerge.attention import biased_sdpa
+    from kvmerge.ops.scores import top_slots
+
+    g = torch.Generator().manual_seed(5)
+    b, h, s, d = 1, 2, 40, 8
+    keys, values, queries = (torch.randn(b, h, s, d, generator=g) for _ in range(3))
+    log_n = torch.randint(1, 4, (b, h, s), generator=g).float().log() if with_mass else torch.zeros(b, h, s)
+    ctx = LayerContext(0, 1, target=16, sinks=4, window=4, scaling=d ** -0.5, queries=queries, values=values, seen=s)
+    identity = lambda p: (torch.ones(len(p), d), torch.zeros(len(p), d))  # noqa: E731 (no rotation)
+    ea = kvmerge.get_method("expected_attention", budget=16, sinks=4, window=4, use_covariance=False)
+    ea._cos_sin = identity
+    m = kvmerge.get_method("evictmerge", base=ea, budget=16, sinks=4, window=4, recent=0.0,
+                           calibrate_with="expected")
+    k, v, ln = m.compress(keys, values, log_n, ctx)
+    idx = top_slots(ea.scores(keys, log_n, ctx), 16, 4, 4)
+    assert torch.equal(k, keys.gather(2, idx[..., None].expand(-1, -1, -1, d)))  # EA's picks, keys unmoved
+    mu = queries[:, :, 4:].mean(2, keepdim=True)  # μ̄: the mean query after the sinks, not rotated
+    full = (ctx.scaling * mu @ keys.transpose(-1, -2) + log_n[:, :, None]).softmax(-1) @ values
+    merged = biased_sdpa(mu, k, v, ln, scaling=ctx.scaling).transpose(1, 2)
+    assert torch.allclose(merged, full, atol=1e-5)
+    observed = kvmerge.get_method("evictmerge", base=ea, budget=16, sinks=4, window=4, recent=0.0)
+    k2, v2, ln2 = observed.compress(keys, values, log_n, ctx)
+    assert not torch.allclose(biased_sdpa(mu, k2, v2, ln2, scaling=ctx.scaling).transpose(1, 2), full, atol=1e-3)
+
+
+def test_calibrate_with_names_its_choices():
+    with pytest.raises(ValueError, match="calibrate_with"):
+        kvmerge.get_method("evictmerge", calibrate_with="expectation")
