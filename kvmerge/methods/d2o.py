@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ops.kv import KV, gather_slots
-from ..ops.merge import cosine_sim, weighted_mean
+from ..ops.merge import nearest_kept, weighted_mean
 from ..ops.scores import received_attention, top_slots
 from .base import Method, ScoringMethod
 from .h2o import H2O
@@ -72,8 +72,7 @@ class D2O(Method):
         scores = self.base.scores(keys, log_n, ctx)
         idx = top_slots(scores, target, ctx.sinks, ctx.window)
         kept = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
-        sim = cosine_sim(keys, gather_slots(keys, idx))  # (b, h, s, t)
-        best, partner = sim.max(-1)
+        best, partner = nearest_kept(keys, idx)
         evicted_best = best[~kept]
         layer_mean = float(evicted_best.mean()) if evicted_best.numel() else 1.0
         self._tau = layer_mean if self._tau is None else self.ema * self._tau + (1 - self.ema) * layer_mean

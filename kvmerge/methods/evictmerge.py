@@ -101,7 +101,8 @@ class EvictMerge(ScoringMethod):
     def compress(self, keys, values, log_n, ctx):
         target = self.layer_target(ctx)
         window = max(ctx.window, round(self.recent * target))
-        scores = self.scores(keys, log_n, ctx)
+        attention = self._expected.probabilities(keys, log_n, ctx) if self._expected is not None else None
+        scores = self.base.weigh(attention, ctx) if self._expected is self.base else self.scores(keys, log_n, ctx)
         protect = min(ctx.sinks, target)
         if self.exact > 0:
             exact = self._exact_slots(keys, log_n, ctx, target, window)
@@ -111,9 +112,6 @@ class EvictMerge(ScoringMethod):
             idx = top_slots(scores, target, ctx.sinks, window)
         for part in self._parts():
             part.selected(idx, ctx)
-        attention = None
-        if self._expected is not None:
-            attention = self._expected.probabilities(keys, log_n, ctx)
-        elif self.calibrate:
+        if self.calibrate and attention is None:
             attention = received_attention(ctx.queries[:, :, -self.obs_window:], keys, ctx.scaling, log_n)
         return merge_into_kept(keys, values, log_n, idx, self.min_cosine, protect, attention)

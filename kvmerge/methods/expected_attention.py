@@ -82,9 +82,12 @@ class ExpectedAttention(ScoringMethod):
         return z.softmax(-1).view(b, hkv, hq // hkv, slots).mean(2)
 
     def scores(self, keys, log_n, ctx):
+        return self.weigh(self.probabilities(keys, log_n, ctx), ctx)
+
+    def weigh(self, probs, ctx):
+        """Scores from `probabilities`: (p + `epsilon`) · ‖v‖ if `use_vnorm`."""
+        if not self.use_vnorm:
+            return probs
         if ctx.values is None:
             raise ValueError("expected_attention needs the cached values (prefill)")
-        probs = self.probabilities(keys, log_n, ctx)
-        if self.use_vnorm:
-            probs = (probs + self.epsilon) * ctx.values.float().norm(dim=-1)
-        return probs
+        return (probs + self.epsilon) * ctx.values.float().norm(dim=-1)

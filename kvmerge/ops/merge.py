@@ -50,6 +50,25 @@ def cosine_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b.transpose(-1, -2)
 
 
+def nearest_kept(keys, idx, protect=0, chunk: int = 1024):
+    """(cosine, index into idx) `(b, h, s)`, `(b, h, s)` of each slot's most key-similar kept slot
+    `idx` `(b, h, t)`, kept slots in `protect` excluded (the first `protect` if an int, else a
+    `(b, h, t)` bool mask). Rows go `chunk` at a time, so the `(s, t)` similarities are never held."""
+    unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+    kept_t = gather_slots(unit, idx).transpose(-1, -2)  # (b, h, d, t)
+    barred = torch.zeros(idx.shape, dtype=torch.float32, device=keys.device)
+    if isinstance(protect, int):
+        barred[..., :protect] = float("-inf")
+    else:
+        barred.masked_fill_(protect, float("-inf"))
+    best = torch.empty(keys.shape[:3], dtype=torch.float32, device=keys.device)
+    partner = torch.empty(keys.shape[:3], dtype=torch.long, device=keys.device)
+    for start in range(0, keys.shape[2], chunk):
+        sim = torch.matmul(unit[:, :, start:start + chunk], kept_t).add_(barred[:, :, None, :])
+        torch.max(sim, -1, out=(best[:, :, start:start + chunk], partner[:, :, start:start + chunk]))
+    return best, partner
+
+
 def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, protect=0, attention=None):
     """Every slot not in `idx` `(b, h, t)` joins its most key-similar kept slot when their cosine is
     ≥ `floor` (else it is dropped); kept slots in `protect` (the first `protect` if an int, else a
@@ -62,12 +81,7 @@ def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, protect=0, at
     b, h, s, _ = keys.shape
     t = idx.shape[-1]
     kept = torch.zeros(b, h, s, dtype=torch.bool, device=keys.device).scatter_(-1, idx, True)
-    sim = cosine_sim(keys, gather_slots(keys, idx))
-    if isinstance(protect, int):
-        sim[..., :protect] = float("-inf")
-    else:
-        sim = sim.masked_fill(protect[:, :, None, :], float("-inf"))
-    best, partner = sim.max(-1)
+    best, partner = nearest_kept(keys, idx, protect)
     join = ~kept & (best >= floor)
     assign = partner.scatter(-1, idx, torch.arange(t, device=idx.device).expand_as(idx))
     if attention is not None:
