@@ -245,3 +245,15 @@ def test_merges_calibrated_by_expected_attention_keep_its_selection_and_reproduc
 def test_calibrate_with_names_its_choices():
     with pytest.raises(ValueError, match="calibrate_with"):
         kvmerge.get_method("evictmerge", calibrate_with="expectation")
+
+
+def test_expectmerge_is_surprisemerge_on_expected_attention_with_expected_calibration():
+    from .conftest import TinyTokenizer, random_ids, tiny_model
+
+    model, tok = tiny_model(), TinyTokenizer()
+    ctx, q = random_ids(160, seed=4), [3, 4]
+    spec = kvmerge.method_from_spec("surprisemerge:base=expected_attention:calibrate_with=expected", 0.25)
+    named = kvmerge.get_method("expectmerge", budget=0.25)
+    a, b = (kvmerge.generate_ids(model, ctx, q, m, max_new_tokens=8, tokenizer=tok) for m in (spec, named))
+    assert a.tokens == b.tokens and a.stats["cache_entries"] == b.stats["cache_entries"]
+    assert named._expected is named.base and named.query_window == -1
