@@ -4,7 +4,7 @@
 # Single-threaded, resumable. Then: .venv/bin/python benchmarks/anchor_summary.py <folder>
 set -euo pipefail
 K=${KVMERGE:-.venv/bin/kvmerge}
-M=full,snapkv,streamingllm,kvzip,kvzip:plus=true,expected_attention,keydiff,surprisemerge
+M=${METHODS:-full,snapkv,streamingllm,kvzip,kvzip:plus=true,expected_attention,keydiff,surprisemerge,expectmerge}
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
 for L in ${LENGTHS:-4096 8192}; do
   $K eval --model gemma3-270m --task niah --methods $M --budgets 0.25,0.1 --lengths $L --samples 10 \

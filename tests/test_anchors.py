@@ -247,13 +247,34 @@ def test_calibrate_with_names_its_choices():
         kvmerge.get_method("evictmerge", calibrate_with="expectation")
 
 
-def test_expectmerge_is_surprisemerge_on_expected_attention_with_expected_calibration():
+def test_expectmerge_is_surprisemerge_on_mixed_attention_with_expected_calibration():
     from .conftest import TinyTokenizer, random_ids, tiny_model
 
     model, tok = tiny_model(), TinyTokenizer()
     ctx, q = random_ids(160, seed=4), [3, 4]
-    spec = kvmerge.method_from_spec("surprisemerge:base=expected_attention:calibrate_with=expected", 0.25)
+    spec = kvmerge.method_from_spec("surprisemerge:base=mixed_attention:calibrate_with=expected", 0.25)
     named = kvmerge.get_method("expectmerge", budget=0.25)
     a, b = (kvmerge.generate_ids(model, ctx, q, m, max_new_tokens=8, tokenizer=tok) for m in (spec, named))
     assert a.tokens == b.tokens and a.stats["cache_entries"] == b.stats["cache_entries"]
     assert named._expected is named.base and named.query_window == -1
+
+
+def test_mixed_attention_is_the_mean_of_expected_and_normalised_observed_attention():
+    from kvmerge.ops.scores import attention_probs
+
+    g = torch.Generator().manual_seed(6)
+    b, hq, hkv, s, d = 1, 4, 2, 30, 8
+    keys, values = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+    queries = torch.randn(b, hq, s, d, generator=g)
+    ctx = LayerContext(0, 1, target=12, sinks=4, window=4, scaling=d ** -0.5, queries=queries, values=values, seen=s)
+    identity = lambda p: (torch.ones(len(p), d), torch.zeros(len(p), d))  # noqa: E731
+    mixed = kvmerge.get_method("mixed_attention", budget=12, sinks=4, window=4, obs_window=5)
+    ea = kvmerge.get_method("expected_attention", budget=12, sinks=4, window=4)
+    mixed._cos_sin = ea._cos_sin = identity
+    log_n = torch.zeros(b, hkv, s)
+    observed = attention_probs(queries[:, :, -5:], keys, ctx.scaling).sum(2)  # (b, hkv, s), group-summed
+    observed[..., :4] = 0
+    want = 0.5 * ea.probabilities(keys, log_n, ctx) + 0.5 * observed / observed.sum(-1, keepdim=True)
+    got = mixed.probabilities(keys, log_n, ctx)
+    assert torch.allclose(got, want, atol=1e-6) and torch.allclose(got.sum(-1), torch.ones(b, hkv))
+    assert torch.allclose(mixed.scores(keys, log_n, ctx), got * values.norm(dim=-1), atol=1e-6)

@@ -25,8 +25,8 @@ class EvictMerge(ScoringMethod):
     prompt queries; kept keys stay, values are attention-weighted means and the logit bias is
     log(cluster attention / kept entry's attention). `calibrate=False`: count weights (degree-weighted
     means of keys and values, log-count bias, mass conserved). `calibrate_with="expected"`: the
-    weights are Expected Attention's expected probabilities instead (`base`'s own when it is
-    `expected_attention`, so merges follow the model its selection was made by).
+    weights are Expected Attention's expected probabilities instead (`base`'s own `probabilities` when
+    it is `expected_attention` or `mixed_attention`, so merges follow the model its picks were made by).
     `recent`: the recent window grows to this fraction of the layer's budget (at least `window`).
     `exact`: this fraction of the budget is picked first by `exact_by`'s scores (outside sinks and
     window) and absorbs nothing; `whole`: the exact share's last pick is completed (all entries

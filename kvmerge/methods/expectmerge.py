@@ -1,9 +1,9 @@
-"""ExpectMerge (kvmerge's own): `surprisemerge` with Expected Attention in place of observed attention."""
+"""ExpectMerge (kvmerge's own): `surprisemerge` whose picks and merge weights come from expected attention."""
 
 from dataclasses import dataclass, field
 
 from .base import ScoringMethod
-from .expected_attention import ExpectedAttention
+from .mixed_attention import MixedAttention
 from .registry import register
 from .surprisemerge import SurpriseMerge
 
@@ -12,13 +12,13 @@ from .surprisemerge import SurpriseMerge
 @dataclass
 class ExpectMerge(SurpriseMerge):
     """The budget in `surprisemerge`'s three shares: the recent window (50%), the sentences of highest
-    mean surprisal (25%, kept exact) and Expected Attention's picks (the rest). Every other entry joins
-    its most key-similar window or EA entry, weighted by EA's expected attention (kept keys stay,
-    values become expected-attention-weighted means, log(cluster's expected mass / kept entry's) is
-    added to the logits): the query model the picks were made by also weighs the merges, so the mean
-    future query reads the same output from a merged cluster as from its members.
-    Equal to `surprisemerge:base=expected_attention:calibrate_with=expected`."""
+    mean surprisal (25%, kept exact) and the picks of `mixed_attention` (the rest): future attention
+    estimated as the mean of Expected Attention's and the last prompt queries' distributions, × ‖v‖.
+    Every other entry joins its most key-similar window or picked entry, weighted by that same
+    estimate (kept keys stay, values become weighted means, log(cluster's estimate / kept entry's)
+    is added to the logits), so that the merges follow the model the picks were made by.
+    Equal to `surprisemerge:base=mixed_attention:calibrate_with=expected`."""
 
-    base: ScoringMethod = field(default_factory=ExpectedAttention)
+    base: ScoringMethod = field(default_factory=MixedAttention)
     calibrate_with: str = "expected"
     name = "expectmerge"
