@@ -10,13 +10,14 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from kvmerge_eval.runner import summarize
+from kvmerge_eval.runner import _key, summarize
 
 TASKS = [("niah", "needle"), ("multikey", "multikey"), ("single_inline", "in-style fact"), ("fidelity", "KL")]
 
 
 def main(folders):
     raw = [json.loads(line) for f in folders for p in sorted(Path(f).glob("*.jsonl")) for line in p.open()]
+    raw = list({_key(r["method"], r["budget"], r): r for r in raw}.values())  # a run in two folders counts once
     rows = summarize(raw)
     ran = defaultdict(set)  # task → budgets it ran at
     for r in rows:
