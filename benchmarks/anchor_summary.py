@@ -3,10 +3,11 @@ method, columns task × budget (needle tasks: % found; fidelity: mean KL), sampl
 cache bytes against the full cache (log-mass included).
 
     .venv/bin/python benchmarks/anchor_summary.py results/anchors/smollm2-135m results/anchors/smollm2-135m-followup
+    .venv/bin/python benchmarks/anchor_summary.py --methods full,kvzip,expectmerge results/anchors/gemma3-270m
 """
 
+import argparse
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -15,8 +16,9 @@ from kvmerge_eval.runner import _key, summarize
 TASKS = [("niah", "needle"), ("multikey", "multikey"), ("single_inline", "in-style fact"), ("fidelity", "KL")]
 
 
-def main(folders):
+def main(folders, only=None):
     raw = [json.loads(line) for f in folders for p in sorted(Path(f).glob("*.jsonl")) for line in p.open()]
+    raw = [r for r in raw if only is None or r["method"] in only]
     raw = list({_key(r["method"], r["budget"], r): r for r in raw}.values())  # a run in two folders counts once
     rows = summarize(raw)
     ran = defaultdict(set)  # task → budgets it ran at
@@ -45,4 +47,8 @@ def main(folders):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    p = argparse.ArgumentParser()
+    p.add_argument("folders", nargs="+")
+    p.add_argument("--methods", default=None, help="comma-separated method labels to show (default: all)")
+    args = p.parse_args()
+    main(args.folders, args.methods.split(",") if args.methods else None)
