@@ -19,7 +19,8 @@ TASKS = [("niah", "needle"), ("multikey", "multikey"), ("single_inline", "in-sty
 def main(folders, only=None):
     raw = [json.loads(line) for f in folders for p in sorted(Path(f).glob("*.jsonl")) for line in p.open()]
     raw = [r for r in raw if only is None or r["method"] in only]
-    raw = list({_key(r["method"], r["budget"], r): r for r in raw}.values())  # a run in two folders counts once
+    # a run found in two folders counts once (a needle's depth depends on the run's sample count)
+    raw = list({_key(r["method"], r["budget"], r) + (r.get("depth"),): r for r in raw}.values())
     rows = summarize(raw)
     ran = defaultdict(set)  # task → budgets it ran at
     for r in rows:
