@@ -19,6 +19,11 @@ suite() {  # model, folder, methods, budgets
 for model in smollm2-135m gemma3-270m; do
   suite $model results/anchors/$model-r6 $R6,$R7 0.25,0.1
   suite $model results/anchors/$model-r8 expectmerge 0.5,0.25,0.1
+done
+# Gemma's main table has its needles at 5 depths: the 10-depth run above moves beside gemma3-270m-n10
+mkdir -p results/anchors/gemma3-270m-r8-n10 && mv results/anchors/gemma3-270m-r8/niah* results/anchors/gemma3-270m-r8-n10/
+$K eval --model gemma3-270m --task niah --methods expectmerge --budgets 0.5,0.25,0.1 --lengths 2048 --samples 5 --out results/anchors/gemma3-270m-r8
+for model in smollm2-135m gemma3-270m; do
   $K eval --model $model --task fidelity --methods mixed_attention,$R9 --budgets 0.25,0.1 --lengths 2048 --samples 6 --out results/anchors/$model-r8
 done
 $K eval --model smollm2-135m --task ruler --subtasks multikey --methods full,kvzip,kvzip:plus=true,surprisemerge,expectmerge --budgets 0.25,0.1 --lengths 2048 --samples 20 --out results/anchors/smollm2-135m
