@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = sub.add_parser("demo", help="full cache vs SemantiCache vs CentroidKV on needle prompts")
     demo.add_argument("--methods", type=_csv(str), default=None,
-                      help="default: full, semanticache, centroidkv, streamingllm, snapkv, surprisemerge")
+                      help="default: full, semanticache, centroidkv, streamingllm, snapkv, surprisemerge, expectmerge")
     demo.add_argument("--budget", type=float, default=0.25)
     demo.add_argument("--length", type=int, default=2048)
     demo.add_argument("--samples", type=int, default=3)
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="answer a question about a text file, streaming the answer")
     gen.add_argument("--context", required=True, help="UTF-8 text file with the context (- reads stdin)")
     gen.add_argument("--question", required=True)
-    gen.add_argument("--method", default="surprisemerge", help="a method spec, e.g. snapkv:kernel=5 (full: none)")
+    gen.add_argument("--method", default="expectmerge", help="a method spec, e.g. snapkv:kernel=5 (full: none)")
     gen.add_argument("--budget", type=float, default=0.25)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

@@ -14,7 +14,7 @@ from .niah import make_sample, score
 from .runner import prompt_ids
 
 
-DEFAULT_METHODS = ("full", "semanticache", "centroidkv", "streamingllm", "snapkv", "surprisemerge")
+DEFAULT_METHODS = ("full", "semanticache", "centroidkv", "streamingllm", "snapkv", "surprisemerge", "expectmerge")
 
 
 def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int = 2048, samples: int = 3,
