@@ -11,7 +11,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from kvmerge_eval.runner import _key, summarize
+from kvmerge_eval.runner import run_key, summarize
 
 TASKS = [("niah", "needle"), ("multikey", "multikey"), ("single_inline", "in-style fact"), ("fidelity", "KL")]
 
@@ -20,7 +20,7 @@ def main(folders, only=None):
     raw = [json.loads(line) for f in folders for p in sorted(Path(f).glob("*.jsonl")) for line in p.open()]
     raw = [r for r in raw if only is None or r["method"] in only]
     # a run found in two folders counts once (a needle's depth depends on the run's sample count)
-    raw = list({_key(r["method"], r["budget"], r) + (r.get("depth"),): r for r in raw}.values())
+    raw = list({run_key(r["method"], r["budget"], r) + (r.get("depth"),): r for r in raw}.values())
     rows = summarize(raw)
     ran = defaultdict(set)  # task → budgets it ran at
     for r in rows:

@@ -37,7 +37,8 @@ def build_samples(task: str, tok, lengths, samples: int, text=None, subtasks=Non
     raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
 
 
-def _key(method, budget, meta) -> tuple:
+def run_key(method, budget, meta) -> tuple:
+    """What identifies one run in a results file: (method, budget, task, length, seed)."""
     return (method, float(budget), meta.get("task", "niah"), meta["length"], meta["seed"])
 
 
@@ -49,7 +50,7 @@ def run(task, model, tok, methods, budgets, lengths, samples, out_dir, protocol=
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{task}.jsonl"
-    done = {_key(r["method"], r["budget"], r) for r in _read(path)}
+    done = {run_key(r["method"], r["budget"], r) for r in _read(path)}
     label = (lambda m: f"{m}@chunk{prefill_chunk}") if prefill_chunk else (lambda m: m)
     data = build_samples(task, tok, lengths, samples, text, subtasks)[:limit]
     for m in methods:
@@ -59,7 +60,7 @@ def run(task, model, tok, methods, budgets, lengths, samples, out_dir, protocol=
         {"task": task, "methods": methods, "budgets": budgets, "lengths": lengths, "samples": samples,
          "protocol": protocol, "text": text, "limit": limit, "subtasks": subtasks, "prefill_chunk": prefill_chunk},
         indent=1))
-    todo = [(s, m, b) for s in data for m, b in configs if _key(label(m), b, s.meta) not in done]
+    todo = [(s, m, b) for s in data for m, b in configs if run_key(label(m), b, s.meta) not in done]
     with path.open("a") as f, tqdm(total=len(todo), desc=task, unit="run") as bar:
         for prompt, jobs in _by_prompt(task, tok, todo, protocol).items():
             for row in _run_prompt(task, model, tok, list(prompt), jobs, protocol, prefill_chunk):
