@@ -28,3 +28,5 @@ for model in smollm2-135m gemma3-270m; do
 done
 $K eval --model smollm2-135m --task ruler --subtasks multikey --methods full,kvzip,kvzip:plus=true,surprisemerge,expectmerge --budgets 0.25,0.1 --lengths 2048 --samples 20 --out results/anchors/smollm2-135m
 $K eval --model smollm2-135m --task niah --methods expectmerge --budgets 0.25,0.1 --lengths 4096 --samples 10 --out results/anchors/smollm2-135m-4k
+# Gemma's 50% needles at 10 depths for the table's methods (beside the 25/10% ones of anchor_r6.sh):
+$K eval --model gemma3-270m --task niah --methods full,snapkv,streamingllm,kvzip,kvzip:plus=true,expected_attention,keydiff,surprisemerge --budgets 0.5 --lengths 2048 --samples 10 --out results/anchors/gemma3-270m-n10
