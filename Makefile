@@ -20,7 +20,10 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
-test-slow: setup
-	$(BIN)/python -m pytest -q -m slow
+test-ci: setup
+	$(BIN)/python -m pytest -q -m ci_slow
 
-.PHONY: setup demo test test-slow
+test-slow: setup
+	$(BIN)/python -m pytest -q -m "slow or ci_slow"
+
+.PHONY: setup demo test test-ci test-slow

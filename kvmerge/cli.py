@@ -1,4 +1,4 @@
-"""Command line: `kvmerge generate | demo | eval | report | bench | methods` (also `python -m kvmerge`).
+"""Command line: `kvmerge generate | demo | eval | report | bench | methods | suites` (also `python -m kvmerge`).
 
 Everything but `generate` and `methods` runs the evaluation package `kvmerge_eval` (`pip install kvmerge[eval]`).
 """
@@ -27,7 +27,7 @@ def _eval(module: str):
                          "pip install 'kvmerge[eval]'") from e
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmerge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -56,7 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     gen.add_argument("--prefill-chunk", type=int, default=None, help="prefill and compress N tokens at a time")
 
-    ev = sub.add_parser("eval", help="accuracy / fidelity per method and budget on a task")
+    sub.add_parser("suites", help="list the named benchmark suites (kvmerge eval --suite NAME)")
+
+    ev = sub.add_parser("eval", help="accuracy / fidelity per method and budget on a task, or a named suite")
+    ev.add_argument("--suite", default=None, help="run a named suite (kvmerge suites) into <out>/<suite>/<model>/; "
+                    "the other options then do not apply, except --models and --out")
+    ev.add_argument("--models", type=_csv(str), default=None, help="with --suite: only these of its models")
     ev.add_argument("--task", choices=["niah", "ruler", "fidelity", "code"], default="niah")
     ev.add_argument("--methods", type=_csv(str), default=["full", "streamingllm", "snapkv", "semanticache",
                                                            "centroidkv"])
@@ -86,13 +91,31 @@ def main(argv: list[str] | None = None) -> int:
                        help="prefill N tokens at a time (decode rows), the chunk of --memory's rows (default 1024)")
     bench.add_argument("--model", default=None, help="gemma3-270m, a local folder, .gguf or model id (default: SmolLM2)")
 
-    rep = sub.add_parser("report", help="tables and plots of a results folder")
-    rep.add_argument("folder")
+    rep = sub.add_parser("report", help="tables and plots of a results folder, or a suite's tables")
+    rep.add_argument("folder", nargs="?", default=None)
+    rep.add_argument("--suite", default=None, help="print a named suite's tables (results in <root>/<suite>/<model>/)")
+    rep.add_argument("--root", default="results", help="with --suite: where its results are")
+    rep.add_argument("--models", type=_csv(str), default=None, help="with --suite: only these models")
+    rep.add_argument("--budgets", type=_csv(float), default=None, help="with --suite: only these budgets' columns")
     rep.add_argument("--no-plots", action="store_true")
     rep.add_argument("--methods", type=_csv(str), default=None, help="only these method specs, as run")
     rep.add_argument("--plots-to", default=None, help="folder for the PNGs (default: the results folder)")
 
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
+    try:
+        return _run(parser, args)
+    except (ValueError, FileNotFoundError) as e:
+        if getattr(args, "suite", None) is None:
+            raise
+        raise SystemExit(f"kvmerge {args.command}: {e}") from e
+
+
+def _run(parser, args) -> int:
     if args.command == "methods":
         from .methods import available_methods
 
@@ -101,6 +124,15 @@ def main(argv: list[str] | None = None) -> int:
         _generate(args)
     elif args.command == "demo":
         _eval("demo").run_demo(args.methods, args.budget, args.length, args.samples, args.model)
+    elif args.command == "suites":
+        suites = _eval("suites")
+        for name in suites.available():
+            print(f"{name:16} {suites.load(name).title}")
+    elif args.command == "eval" and args.suite:
+        suites = _eval("suites")
+        suite = suites.load(args.suite)
+        suites.run_suite(suite, args.models, args.out)
+        print(suites.report(suite, args.out, args.models))
     elif args.command == "eval":
         from .model import load_model
 
@@ -138,7 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         o = bench.bias_overhead(model, max(args.lengths), max(args.batches), args.steps)
         print(f"attention alone, biased with log_n = 0 vs stock SDPA, batch {o['batch']} x {o['length']} tokens: "
               f"{o['biased_ms']:.1f} vs {o['stock_ms']:.1f} ms/step ({o['overhead']:+.1%})")
+    elif args.command == "report" and args.suite:
+        suites = _eval("suites")
+        print(suites.report(suites.load(args.suite), args.root, args.models, args.budgets))
     elif args.command == "report":
+        if args.folder is None:
+            parser.error("report needs a results folder or --suite NAME")
         print(_eval("report").report(args.folder, plots=not args.no_plots, methods=args.methods, plot_dir=args.plots_to))
     return 0
 

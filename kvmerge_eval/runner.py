@@ -7,6 +7,7 @@ a context are answered from one compression (question-agnostic protocol).
 from __future__ import annotations
 
 import csv
+import datetime
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -104,7 +105,8 @@ def _run_prompt(task, model, tok, ctx, jobs, protocol, chunk=None):
         question = len(prompt_ids(tok, jobs[0][0])[1])
     rows = []
     for spec, budget, session, logits in compressed_once(model, tok, [ctx], configs, question, chunk):
-        base = {"method": f"{spec}@chunk{chunk}" if chunk else spec, "budget": budget}
+        base = {"method": f"{spec}@chunk{chunk}" if chunk else spec, "budget": budget,
+                "date": datetime.date.today().isoformat()}
         mine = [(s, q) for s, m, b, q in jobs if (m, b) == (spec, budget)]
         if task == "fidelity":
             for s, _ in mine:

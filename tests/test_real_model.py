@@ -13,8 +13,7 @@ def smol():
     return kvmerge.load_model()
 
 
-@pytest.mark.ci_slow
-def test_noop_equals_stock_on_smollm2(smol):
+def test_noop_equals_stock_on_smollm2(smol):  # the one real-model test of the default suite
     model, tok = smol
     ids = tok("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"]
     ref = stock_logits(model, ids, 16)

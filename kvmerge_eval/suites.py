@@ -1,0 +1,206 @@
+"""Named benchmark suites, defined as data (`kvmerge_eval/suites/<name>.toml`).
+
+A suite lists runs of `kvmerge eval`: models × task × methods × budgets × lengths × samples. Keys at
+the top level are defaults every `[[run]]` may override:
+
+    title = "..."                          # heading of the suite's tables
+    models = ["smollm2-135m", "gemma3-270m"]
+    methods = ["full", "snapkv"]
+    budgets = [0.25, 0.1]
+    [[run]]
+    label = "needle"                       # the column's name in the table (default: the task)
+    task = "niah"                          # niah | ruler | fidelity | code
+    subtasks = ["multikey"]                # RULER subtasks (one column each)
+    lengths = [2048]
+    samples = 10
+    limit = 3                              # optional: the first N samples only
+    prefill_chunk = 1024                   # optional: chunked prefill, rows named <method>@chunk<N>
+
+`kvmerge eval --suite NAME` runs it, resumably, into `results/NAME/<model>/`; `kvmerge report --suite
+NAME` prints one table per model: a row per method, a column per (run, length, budget), cells `score
+(samples)` (KL for fidelity), and the cache's bytes against the full cache. docs/results.md carries
+these tables as printed.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .runner import METRICS, TASKS, _read, run_key, summarize
+
+SUITES = Path(__file__).parent / "suites"
+_RUN_KEYS = {"label", "task", "subtasks", "lengths", "samples", "limit", "prefill_chunk", "models", "methods",
+             "budgets", "text"}
+_TOP_KEYS = {"title", "description", "models", "methods", "budgets", "lengths", "samples", "run"}
+
+
+@dataclass(frozen=True)
+class Run:
+    label: str
+    task: str
+    models: list[str]
+    methods: list[str]
+    budgets: list[float]
+    lengths: list[int]
+    samples: int
+    subtasks: list[str] | None = None
+    limit: int | None = None
+    prefill_chunk: int | None = None
+    text: str | None = None
+
+    def labels(self) -> list[str]:
+        """Method labels as the runner records them."""
+        return [f"{m}@chunk{self.prefill_chunk}" if self.prefill_chunk else m for m in self.methods]
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    title: str
+    runs: list[Run] = field(default_factory=list)
+    description: str = ""
+
+    @property
+    def models(self) -> list[str]:
+        return list(dict.fromkeys(m for r in self.runs for m in r.models))
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in SUITES.glob("*.toml"))
+
+
+def load(name: str) -> Suite:
+    """The suite `name` (or a path to a .toml file), checked: unknown keys, tasks and methods fail here."""
+    path = Path(name) if name.endswith(".toml") else SUITES / f"{name}.toml"
+    if not path.exists():
+        raise ValueError(f"unknown suite {name!r}; suites: {', '.join(available())}")
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
+    _unknown(data, _TOP_KEYS, path.name)
+    if not data.get("run"):
+        raise ValueError(f"{path.name}: a suite needs at least one [[run]]")
+    runs = []
+    for i, r in enumerate(data["run"]):
+        _unknown(r, _RUN_KEYS, f"{path.name} run {i + 1}")
+        get = lambda k: r.get(k, data.get(k))  # noqa: E731 - a run's key, else the suite's default
+        missing = [k for k in ("task", "models", "methods", "budgets", "lengths", "samples") if get(k) is None]
+        if missing:
+            raise ValueError(f"{path.name} run {i + 1}: missing {', '.join(missing)}")
+        if r["task"] not in TASKS:
+            raise ValueError(f"{path.name} run {i + 1}: unknown task {r['task']!r}; tasks: {', '.join(TASKS)}")
+        runs.append(Run(r.get("label", r["task"]), r["task"], list(get("models")), list(get("methods")),
+                        [float(b) for b in get("budgets")], list(get("lengths")), int(get("samples")),
+                        r.get("subtasks"), r.get("limit"), r.get("prefill_chunk"), r.get("text")))
+    _check_methods(runs, path.name)
+    return Suite(path.stem, data.get("title", path.stem), runs, data.get("description", ""))
+
+
+def _unknown(table: dict, allowed: set, where: str) -> None:
+    extra = sorted(set(table) - allowed)
+    if extra:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(extra)}; allowed: {', '.join(sorted(allowed))}")
+
+
+def _check_methods(runs, where) -> None:
+    from kvmerge import method_from_spec
+
+    for r in runs:
+        for m in r.methods:
+            try:
+                method_from_spec(m, r.budgets[0])
+            except (ValueError, TypeError, KeyError) as e:
+                raise ValueError(f"{where}: method {m!r}: {e}") from e
+
+
+def folder(suite: Suite, model: str, root="results") -> Path:
+    return Path(root) / suite.name / model
+
+
+def run_suite(suite: Suite, models=None, root="results", load_model=None) -> None:
+    """Every run of `suite` for `models` (default: the suite's), one model loaded at a time; resumable."""
+    from kvmerge.model import load_model as default_loader
+
+    from .runner import run as run_task
+
+    load_model = load_model or default_loader
+    for model_name in models or suite.models:
+        runs = [r for r in suite.runs if model_name in r.models]
+        if not runs:
+            raise ValueError(f"suite {suite.name!r} has no run for model {model_name!r}; models: {', '.join(suite.models)}")
+        model, tok = load_model(model_name)
+        for r in runs:
+            run_task(r.task, model, tok, r.methods, r.budgets, r.lengths, r.samples, folder(suite, model_name, root),
+                     text=r.text, limit=r.limit, subtasks=r.subtasks, prefill_chunk=r.prefill_chunk)
+
+
+def columns(run: Run) -> list[tuple]:
+    """(column name, task name in the rows, length, budget) of one run: subtask × length × budget."""
+    tasks = run.subtasks or [run.task]
+    out = []
+    for t in tasks:
+        name = run.label if len(tasks) == 1 else t if run.label == run.task else f"{run.label} {t}"
+        for n in run.lengths:
+            length = f" {n / 1024:g}k" if len(run.lengths) > 1 else ""
+            out += [(f"{name}{length} {b:.0%}", t, n, b) for b in run.budgets]
+    return out
+
+
+def _columns(suite: Suite, model: str, budgets=None) -> list[tuple]:
+    cols = [c for r in suite.runs if model in r.models for c in columns(r) if budgets is None or c[3] in budgets]
+    return list(dict.fromkeys(cols))
+
+
+def header(suite: Suite, model: str, budgets=None) -> list[str]:
+    """The column names of `model`'s table: one per (run, subtask, length, budget), then the bytes."""
+    cols = _columns(suite, model, budgets)
+    shown = sorted({c[3] for c in cols}, reverse=True)
+    return ["method"] + [c[0] for c in cols] + ["bytes/full at " + " / ".join(f"{b:.0%}" for b in shown)]
+
+
+def table(suite: Suite, model: str, rows_raw: list[dict], budgets=None) -> str:
+    """One model's markdown table: a row per method label, a column per (run, subtask, length, budget)."""
+    labels = list(dict.fromkeys(m for r in suite.runs if model in r.models for m in r.labels()))
+    # a run found twice counts once (a needle's depth depends on its run's sample count: in the key)
+    raw = list({run_key(r["method"], r["budget"], r) + (r.get("depth"),): r for r in rows_raw}.values())
+    rows = summarize([r for r in raw if r["method"] in labels])
+    cell = {(r["task"], r["method"], r["budget"], r["length"]): r for r in rows}
+    cols = _columns(suite, model, budgets)
+    shown = sorted({c[3] for c in cols}, reverse=True)
+    head = header(suite, model, budgets)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label in labels:
+        full = label.split("@")[0] == "full"
+        out = []
+        for _name, task, n, b in cols:
+            r = cell.get((task, label, 1.0 if full else b, n))
+            metric = METRICS.get(task, ("score",))[0]
+            out.append("–" if r is None else
+                       (f"{r[metric]:.4f}" if metric == "kl" else f"{r[metric]:.0%}") + f" ({r['n']})")
+        fractions = []
+        for b in shown:
+            rs = [r for r in rows if r["method"] == label and "cache_fraction" in r and r["budget"] == (1.0 if full else b)]
+            fractions.append(f"{sum(r['cache_fraction'] for r in rs) / len(rs):.3f}" if rs else "–")
+        if any(x != "–" for x in out):
+            lines.append(f"| {label} | " + " | ".join(out) + " | " + " / ".join(fractions) + " |")
+    return "\n".join(lines)
+
+
+def report(suite: Suite, root="results", models=None, budgets=None) -> str:
+    """The suite's tables, one per model with results, each under `#### <model>`, headed by the command
+    that regenerates them and the dates its rows were measured."""
+    parts = [f"### {suite.title}", "",
+             f"Suite `{suite.name}` · `kvmerge eval --suite {suite.name} && kvmerge report --suite {suite.name}`"]
+    found = False
+    for model in models or suite.models:
+        raw = [r for p in sorted(folder(suite, model, root).glob("*.jsonl")) for r in _read(p)]
+        if not raw:
+            continue
+        found = True
+        dates = sorted({r["date"] for r in raw if "date" in r})
+        when = f"measured {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else "") if dates else "undated"
+        parts += ["", f"#### {model} ({when}; samples per cell in brackets)", "", table(suite, model, raw, budgets)]
+    if not found:
+        raise FileNotFoundError(f"no results for suite {suite.name!r} under {Path(root) / suite.name}: "
+                                f"run `kvmerge eval --suite {suite.name}` first")
+    return "\n".join(parts)

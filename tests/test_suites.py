@@ -1,0 +1,138 @@
+"""Named suites: every shipped suite loads, bad suites are refused by name, a suite runs and reports, and
+every table in docs/results.md names a suite that exists, a command that parses, and the suite's columns."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from kvmerge.cli import _parser, main
+from kvmerge_eval import suites
+
+from .conftest import tiny_model
+from .test_semanticache import _sp_tokenizer
+
+DOCS = Path(__file__).parent.parent / "docs" / "results.md"
+
+
+@pytest.mark.parametrize("name", suites.available())
+def test_every_shipped_suite_loads(name):
+    suite = suites.load(name)
+    assert suite.runs and suite.models and suite.title
+    for model in suite.models:
+        head = suites.header(suite, model)
+        assert len(head) == len(set(head)), f"{name}/{model}: two columns share a name: {head}"
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "s.toml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("text, error", [
+    ('models = ["m"]\n[[run]]\ntask = "niah"\nmethods = ["full"]\nbudgets = [0.5]\nlengths = [9]\nsamples = 1\nsample = 2',
+     "unknown key.*sample"),
+    ('models = ["m"]\n[[run]]\ntask = "nope"\nmethods = ["full"]\nbudgets = [0.5]\nlengths = [9]\nsamples = 1',
+     "unknown task 'nope'"),
+    ('models = ["m"]\n[[run]]\ntask = "niah"\nmethods = ["nosuch"]\nbudgets = [0.5]\nlengths = [9]\nsamples = 1',
+     "method 'nosuch'"),
+    ('models = ["m"]\n[[run]]\ntask = "niah"\nmethods = ["full"]\nbudgets = [0.5]\nsamples = 1', "missing lengths"),
+    ('title = "no runs"', "at least one"),
+])
+def test_bad_suites_are_refused_by_name(tmp_path, text, error):
+    with pytest.raises(ValueError, match=error):
+        suites.load(_write(tmp_path, text))
+    with pytest.raises(ValueError, match="unknown suite 'nope'"):
+        suites.load("nope")
+
+
+def test_a_suite_runs_resumably_and_reports_its_table(tmp_path):
+    tok = _sp_tokenizer()
+    model = tiny_model(vocab_size=len(tok))
+    suite = suites.load(_write(tmp_path, """
+title = "tiny"
+models = ["tiny"]
+methods = ["full", "streamingllm"]
+budgets = [0.5, 0.25]
+lengths = [300]
+[[run]]
+label = "needle"
+task = "niah"
+samples = 2
+[[run]]
+label = "KL"
+task = "fidelity"
+budgets = [0.5]
+samples = 1
+"""))
+    loads = []
+    loader = lambda name: loads.append(name) or (model, tok)  # noqa: E731
+    suites.run_suite(suite, root=tmp_path / "r", load_model=loader)
+    first = (tmp_path / "r" / "s" / "tiny" / "niah.jsonl").read_text()
+    suites.run_suite(suite, root=tmp_path / "r", load_model=loader)
+    assert (tmp_path / "r" / "s" / "tiny" / "niah.jsonl").read_text() == first  # nothing rerun
+    assert loads == ["tiny", "tiny"]
+    text = suites.report(suite, tmp_path / "r")
+    lines = text.splitlines()
+    assert lines[0] == "### tiny" and "kvmerge eval --suite s" in lines[2]
+    assert re.match(r"#### tiny \(measured \d{4}-\d\d-\d\d; samples per cell in brackets\)", lines[4])
+    assert lines[6] == "| method | needle 50% | needle 25% | KL 50% | bytes/full at 50% / 25% |"
+    full = next(x for x in lines if x.startswith("| full |")).split(" | ")
+    stream = next(x for x in lines if x.startswith("| streamingllm |")).split(" | ")
+    assert full[1].endswith("(2)") and full[3] == "0.0000 (1)" and full[4].startswith("1.000 / 1.000")
+    assert stream[1].endswith("(2)") and stream[3].endswith("(1)")
+    fractions = [float(x) for x in stream[4].strip(" |").split(" / ")]
+    assert abs(fractions[0] - 0.5) < 0.05 and abs(fractions[1] - 0.25) < 0.05
+    only = suites.report(suite, tmp_path / "r", budgets=[0.25])
+    assert "| method | needle 25% | bytes/full at 25% |" in only
+    with pytest.raises(ValueError, match="no run for model 'other'"):
+        suites.run_suite(suite, ["other"], tmp_path / "r", loader)
+
+
+def test_report_without_results_says_what_to_run(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="run `kvmerge eval --suite ruler` first"):
+        main(["report", "--suite", "ruler", "--root", str(tmp_path)])
+    with pytest.raises(SystemExit, match="unknown suite 'nope'"):
+        main(["eval", "--suite", "nope"])
+
+
+def _doc_tables(text):
+    """(suite name, command, model, header, rows) for every table under a `Suite `name`` line."""
+    out, suite, command, model = [], None, None, None
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if m := re.match(r"Suite `([\w-]+)` · `([^`]+)`", line):
+            suite, command, model = m.group(1), m.group(2), None
+        elif m := re.match(r"#### ([\w.-]+) \(", line):
+            model = m.group(1)
+        elif line.startswith("| ") and not lines[i - 1].startswith("|"):
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                rows.append(row)
+            out.append((suite, command, model, [c.strip() for c in line.strip("|").split("|")], rows))
+    return out
+
+
+def test_every_table_in_the_results_doc_names_a_suite_a_command_and_its_columns():
+    tables = _doc_tables(DOCS.read_text(encoding="utf-8"))
+    assert len(tables) >= len(suites.available())
+    seen = set()
+    for name, command, model, head, rows in tables:
+        assert name is not None and model is not None, f"a table with no suite or model line above it: {head}"
+        suite = suites.load(name)  # exists and loads
+        seen.add(name)
+        for part in command.split("&&"):
+            argv = shlex.split(part)
+            assert argv[0] == "kvmerge"
+            args = _parser().parse_args(argv[1:])  # parses
+            assert args.suite == name
+        assert head == suites.header(suite, model), f"{name}/{model}: columns differ from the suite's"
+        labels = {m for r in suite.runs if model in r.models for m in r.labels()}
+        for row in rows:
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            assert cells[0] in labels and len(cells) == len(head)
+    assert seen == set(suites.available()), f"suites without a table: {set(suites.available()) - seen}"
