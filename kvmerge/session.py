@@ -20,6 +20,7 @@ from .cache import MergedCache
 from .methods import LayerContext, LayerState, Method
 from .methods.full import Full
 from .model import attention_scaling, check_supported, token_surprisal
+from .ops.scores import global_counts
 
 
 class Session:
@@ -233,38 +234,63 @@ class Session:
             layer_idx=-1, num_layers=len(layers), target=target, sinks=method.sinks,
             window=window, scaling=scaling, rows=torch.arange(first.keys.shape[0]),
             surprisal=None if surprisal is None or not dense else surprisal[:, -n:]))
+        def context(i, kv, rows, state):
+            n = kv.slots
+            queries = None
+            if state.queries is not None:
+                keep = min(int(self.captured[rows].min()), state.queries.shape[2])
+                keep = keep if method.query_window < 0 else min(keep, method.query_window)
+                queries = state.queries[rows][:, :, state.queries.shape[2] - keep:]
+            seen = int(self.seen[rows].max())
+            target = min(method.running_target(seen, window), n) if running else method.target(n, window)
+            fresh = min(n, int(self.plain[rows].min()))
+            return LayerContext(
+                layer_idx=i, num_layers=len(layers), target=target, sinks=method.sinks,
+                window=window, scaling=scaling, queries=queries, rows=rows, state=state, values=kv.values, seen=seen,
+                token_ids=None if token_rows is None else torch.tensor(
+                    [token_rows[int(b)][len(token_rows[int(b)]) - fresh:] for b in rows], device=kv.keys.device),
+                surprisal=None if surprisal is None else surprisal[rows][:, -fresh:].to(kv.keys.device))
+
+        if getattr(method, "alloc", "uniform") != "uniform":
+            self._allocate_globally(method, layers, states, context, target, window, running, dense)
         for i, (layer, state) in enumerate(zip(layers, states)):
             state.targets = torch.zeros(layer.keys.shape[0], dtype=torch.long)
             state.scaling = scaling
 
             def run(kv, rows, i=i, state=state):
                 n = kv.slots
-                queries = None
-                if state.queries is not None:
-                    keep = min(int(self.captured[rows].min()), state.queries.shape[2])
-                    keep = keep if method.query_window < 0 else min(keep, method.query_window)
-                    queries = state.queries[rows][:, :, state.queries.shape[2] - keep:]
-                seen = int(self.seen[rows].max())
-                target = min(method.running_target(seen, window), n) if running else method.target(n, window)
-                fresh = min(n, int(self.plain[rows].min()))
-                ctx = LayerContext(
-                    layer_idx=i, num_layers=len(layers), target=target, sinks=method.sinks,
-                    window=window, scaling=scaling, queries=queries, rows=rows, state=state, values=kv.values, seen=seen,
-                    token_ids=None if token_rows is None else torch.tensor(
-                        [token_rows[int(b)][len(token_rows[int(b)]) - fresh:] for b in rows], device=kv.keys.device),
-                    surprisal=None if surprisal is None else surprisal[rows][:, -fresh:].to(kv.keys.device))
-                keep = method.layer_target(ctx)
+                ctx = context(i, kv, rows, state)
+                counts = state.scratch.get("_alloc_counts")
+                keep = method.layer_target(ctx) if counts is None else int(counts.max())
                 state.targets[rows] = keep
-                compressed[rows] |= keep < n
-                return kv if keep >= n or n == 0 else method.compress(*kv, ctx)
+                smaller = keep < n if counts is None else bool((counts < n).any())
+                compressed[rows] |= smaller
+                return method.compress(*kv, ctx) if smaller and n else kv
 
             layer.map_rows(run)
             state.compressed_at = layer.seen
         for state in self.states:
             state.queries = None
+            state.scratch.pop("_alloc_counts", None), state.scratch.pop("_alloc_scores", None)
         self.captured.zero_()
         self.memo = {}
         self.plain = torch.where(compressed, self.plain.clamp(max=window), self.plain)  # the window stays plain
+
+    @staticmethod
+    def _allocate_globally(method, layers, states, context, target, window, running, dense) -> None:
+        """Score every layer, then spread the budget over layers (and heads) by those scores
+        (`ScoringMethod.alloc`): each layer's counts `(b, h)` and scores go to its state's scratch."""
+        if running or not dense or method.has_decode_policy:
+            raise ValueError(f"{method.name}: alloc={method.alloc!r} spreads one budget over every layer at once, "
+                             "so it needs a one-shot compression (no prefill_chunk) of rows without padding (one "
+                             "row, or rows of one length) and a method without a decode policy")
+        scores = []
+        for i, (layer, state) in enumerate(zip(layers, states)):
+            kv = layer.kv()
+            state.scratch["_alloc_scores"] = method.scores(kv.keys, kv.log_n, context(i, kv, torch.arange(kv.keys.shape[0]), state))
+            scores.append(state.scratch["_alloc_scores"])
+        for state, counts in zip(states, global_counts(scores, target, method.sinks, window, method.alloc == "head")):
+            state.scratch["_alloc_counts"] = counts
 
     # -- batch and state ----------------------------------------------------------------------
     def snapshot(self):

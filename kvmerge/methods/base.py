@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from ..ops.kv import KV
-from ..ops.scores import top_slots
+from ..ops.scores import top_slots, top_slots_per_head
 
 
 @dataclass
@@ -132,11 +132,28 @@ class Method:
         `has_decode_policy`): may shrink `layer` (a `MergedLayer`) given the step's query `(b, hq, 1, d)`."""
 
 
+ALLOCATIONS = ("uniform", "layer", "head")
+
+
 @dataclass
 class ScoringMethod(Method):
     """An eviction method defined by its scores: the `layer_target(ctx)` highest-scored entries are
     kept beside sinks and the recent window. Subclasses define `scores` only (and `layer_target` for
-    per-layer budgets)."""
+    per-layer budgets).
+
+    `alloc`: how the budget is spread. "uniform": the same count in every layer and head. "layer": the
+    entries go to the highest scores over all layers and heads together (KVzip's and AdaKV's global
+    selection), then each layer's share is evened out over its heads (no padding). "head": each
+    (layer, head) keeps its own count; a layer's heads are padded to its largest count with empty
+    slots (log-mass -inf, no attention), which are real memory and counted in the cache's bytes.
+    Global allocation needs a one-shot compression of rows without padding."""
+
+    alloc: str = "uniform"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.alloc not in ALLOCATIONS:
+            raise ValueError(f"alloc must be one of {', '.join(ALLOCATIONS)}, got {self.alloc!r}")
 
     def scores(self, keys, log_n, ctx: LayerContext) -> torch.Tensor:
         """`(b, h, s)`: higher is kept first."""
@@ -146,6 +163,12 @@ class ScoringMethod(Method):
         """Told the kept slots `(b, h, t)`, in order, after each selection (see `CarriedScores`)."""
 
     def compress(self, keys, values, log_n, ctx):
+        scratch = ctx.state.scratch if ctx.state is not None else {}
+        if "_alloc_counts" in scratch:  # global allocation: the session scored every layer first
+            idx, filler = top_slots_per_head(scratch["_alloc_scores"], scratch["_alloc_counts"], ctx.sinks, ctx.window)
+            self.selected(idx, ctx)
+            kv = KV(keys, values, log_n).take(idx)
+            return KV(kv.keys, kv.values, kv.log_n.masked_fill(filler, float("-inf")))
         idx = top_slots(self.scores(keys, log_n, ctx), self.layer_target(ctx), ctx.sinks, ctx.window)
         self.selected(idx, ctx)
         return KV(keys, values, log_n).take(idx)

@@ -137,3 +137,43 @@ def reconstruction_attention(queries, keys, log_n, sinks: int, scaling: float, r
             probs = probs * row_scale[None, :, None] * column_scale[j * g:(j + 1) * g, None, :]
         out.append(probs[:, :, sinks:sinks + chunk].amax(dim=(0, 1)))
     return torch.stack(out)
+
+
+def global_counts(scores: list[torch.Tensor], target: int, sinks: int, window: int, per_head: bool) -> torch.Tensor:
+    """How many entries each (layer, row, head) keeps when the budget is spent globally (KVzip, AdaKV).
+
+    scores: one `(b, h, s)` per layer (same b, h, s). Every head keeps its protected sinks + window;
+    the rest of the row's L·h·`target` entries go to the highest unprotected scores over every layer
+    and head together. `per_head`: counts per (layer, row, head); else the counts of each layer are
+    evened out over its heads (one count per layer and row, the total kept). → `(L, b, h)` long,
+    each row summing to at most L·h·`target`.
+    """
+    L, (b, h, s) = len(scores), scores[0].shape
+    target = min(target, s)
+    protected = min(sinks + window, s)
+    free = torch.stack([fill_protected(x, sinks, window, float("-inf")) for x in scores], 1)  # (b, L, h, s)
+    pool = L * h * max(target - protected, 0)
+    picked = free.reshape(b, -1).topk(pool, dim=1).indices // s if pool else free.new_zeros(b, 0, dtype=torch.long)
+    counts = protected + torch.zeros(b, L * h, dtype=torch.long, device=free.device).scatter_add_(
+        1, picked, torch.ones_like(picked)).view(b, L, h)
+    if not per_head:  # each layer's total over its heads, floored, the remainders to the largest fractions
+        total = counts.sum(-1)  # (b, L)
+        even, extra = total // h, total % h
+        spare = (extra.sum(-1, keepdim=True) // h)  # whole entries per head left to hand out, per row
+        order = torch.argsort(extra, dim=-1, descending=True, stable=True)
+        bonus = torch.zeros_like(even).scatter_(-1, order, (torch.arange(L, device=even.device) < spare).long())
+        counts = (even + bonus).clamp(max=s)[..., None].expand(b, L, h)
+    return counts.permute(1, 0, 2).contiguous()
+
+
+def top_slots_per_head(scores: torch.Tensor, counts: torch.Tensor, sinks: int, window: int):
+    """Each head keeps its own number of slots: scores `(b, h, s)`, counts `(b, h)` → (idx `(b, h, W)` in
+    order, W the largest count; `filler` `(b, h, W)` bool: slots past a head's count, to be marked empty)."""
+    s = scores.shape[-1]
+    value = fill_protected(scores, sinks, window, float("inf"))
+    order = torch.argsort(value, dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(s, device=order.device).expand_as(order).contiguous())
+    keep = rank < counts[..., None]
+    pos = torch.arange(s, device=scores.device).expand_as(order)
+    idx = torch.where(keep, pos, pos + s).argsort(-1)[..., :int(counts.max())]
+    return idx, ~keep.gather(-1, idx)

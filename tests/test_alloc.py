@@ -1,0 +1,116 @@
+"""Global budget allocation (`alloc="layer"` / `"head"`, KVzip's and AdaKV's): counts equal a brute-force
+global top-k, every head keeps its own top entries, padding slots get no attention, budgets hold."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvmerge
+from kvmerge import Session
+from kvmerge.ops.scores import global_counts, top_slots_per_head
+
+from .conftest import TinyTokenizer, random_ids, tiny_model
+
+
+def _brute_counts(scores, target, sinks, window):
+    """Per (layer, row, head): protected slots plus its share of the row's global top unprotected scores."""
+    L, (b, h, s) = len(scores), scores[0].shape
+    prot = min(sinks + window, s)
+    out = torch.zeros(L, b, h, dtype=torch.long)
+    for r in range(b):
+        cand = [(float(scores[l][r, j, i]), l, j) for l in range(L) for j in range(h)
+                for i in range(s) if sinks <= i < s - window]
+        cand.sort(key=lambda c: -c[0])
+        for _, l, j in cand[:L * h * max(min(target, s) - prot, 0)]:
+            out[l, r, j] += 1
+    return out + prot
+
+
+@settings(max_examples=40, deadline=None)
+@given(L=st.integers(1, 4), h=st.integers(1, 3), s=st.integers(8, 40), frac=st.floats(0.2, 1.0), seed=st.integers(0, 99))
+def test_global_counts_equal_a_brute_force_global_top_k(L, h, s, frac, seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = [torch.rand(2, h, s, generator=g) * (l + 1) for l in range(L)]  # distinct values: no ties
+    sinks, window = 2, 3
+    target = max(int(frac * s), sinks + window)
+    heads = global_counts(scores, target, sinks, window, per_head=True)
+    assert torch.equal(heads, _brute_counts(scores, target, sinks, window))
+    layers = global_counts(scores, target, sinks, window, per_head=False)
+    assert (layers == layers[..., :1]).all()  # one count per layer and row
+    assert (layers.sum((0, 2)) <= L * h * target).all() and (layers.sum((0, 2)) > L * h * target - h * L).all()
+    assert (layers >= sinks + window).all() and (layers <= s).all()
+    # each layer's count is its heads' total evened out: within one entry of the mean
+    assert ((layers[..., 0] - heads.sum(-1).float() / h).abs() <= 1).all()
+
+
+def test_top_slots_per_head_keeps_each_heads_own_top_entries_in_order():
+    g = torch.Generator().manual_seed(1)
+    scores = torch.rand(2, 3, 30, generator=g)
+    counts = torch.tensor([[6, 12, 9], [30, 5, 7]])
+    idx, filler = top_slots_per_head(scores, counts, 2, 3)
+    assert idx.shape == (2, 3, 30)
+    for b in range(2):
+        for j in range(3):
+            kept = idx[b, j][~filler[b, j]].tolist()
+            assert kept == sorted(kept) and len(kept) == counts[b, j]
+            rest = sorted(range(2, 27), key=lambda i: -float(scores[b, j, i]))[:counts[b, j] - 5]
+            assert set(kept) == {0, 1, 27, 28, 29} | set(rest)
+
+
+def _compressed(model, spec, n=160):
+    method = kvmerge.method_from_spec(spec, 0.25)
+    session = Session(model, 1, method, TinyTokenizer())
+    logits = session.prefill([random_ids(n, seed=3)], method.window)
+    return method, session, logits
+
+
+@pytest.mark.parametrize("spec", ["snapkv:alloc=head:window=8", "kvzip:alloc=head:window=8:chunk=64",
+                                  "expected_attention:alloc=head:window=8"])
+def test_per_head_allocation_meets_the_budget_and_its_padding_gets_no_attention(spec):
+    model = tiny_model(num_hidden_layers=3)
+    method, session, _ = _compressed(model, spec)
+    layers = [session.cache.layers[i] for i in session.cache.compressible]
+    live = torch.stack([(~torch.isinf(layer.full_log_n())).sum(-1) for layer in layers])  # (L, b, h)
+    assert int(live.sum()) == len(layers) * live.shape[-1] * method.target(160)  # the global budget, exactly
+    assert (live >= method.sinks + method.window).all()
+    assert len({int(x) for x in live.flatten()}) > 1  # the counts do differ
+    widths = [layer.entries for layer in layers]
+    assert all(w == int(c.max()) for w, c in zip(widths, live))  # each layer padded to its largest head
+    before = session.forward([[7, 8, 9]])
+    _, again, _ = _compressed(model, spec)  # the same compression; its padding slots scrambled
+    scrambled = 0
+    for layer in [again.cache.layers[i] for i in again.cache.compressible]:
+        empty = torch.isinf(layer.full_log_n())
+        scrambled += int(empty.sum())
+        layer.keys[empty] = 50.0
+        layer.values[empty] = -50.0
+    assert scrambled
+    after = again.forward([[7, 8, 9]])
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+
+
+def test_per_layer_allocation_pads_nothing_and_keeps_the_uniform_bytes():
+    model = tiny_model(num_hidden_layers=3)
+    _, uniform, _ = _compressed(model, "snapkv:window=8")
+    method, layered, _ = _compressed(model, "snapkv:alloc=layer:window=8")
+    entries = [layered.cache.layers[i].entries for i in layered.cache.compressible]
+    assert len(set(entries)) > 1  # layers differ
+    assert all(not torch.isinf(layered.cache.layers[i].full_log_n()).any() for i in layered.cache.compressible)
+    assert sum(entries) <= sum(uniform.cache.layers[i].entries for i in uniform.cache.compressible)
+    assert sum(entries) > len(entries) * (method.target(160) - 1)
+
+
+def test_global_allocation_greedy_generation_runs_and_refuses_what_it_cannot_do():
+    model = tiny_model()
+    m = kvmerge.get_method("kvzip", budget=0.25, window=8, chunk=64, alloc="layer")
+    out = kvmerge.generate_ids(model, random_ids(160, seed=1), [3, 4], m, max_new_tokens=4, tokenizer=TinyTokenizer())
+    assert len(out.tokens[0]) == 4
+    with pytest.raises(ValueError, match="one-shot compression"):
+        kvmerge.generate_ids(model, random_ids(300, seed=1), [3], kvmerge.get_method("snapkv", alloc="head", window=8),
+                             max_new_tokens=2, prefill_chunk=128)
+    with pytest.raises(ValueError, match="rows without padding"):
+        kvmerge.generate_ids(model, [random_ids(160, seed=1), random_ids(120, seed=2)], [[3], [4]],
+                             kvmerge.get_method("snapkv", alloc="head", window=8), max_new_tokens=2)
+    with pytest.raises(ValueError, match="alloc must be one of uniform, layer, head"):
+        kvmerge.method_from_spec("snapkv:alloc=global", 0.25)
