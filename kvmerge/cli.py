@@ -62,16 +62,16 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--suite", default=None, help="run a named suite (kvmerge suites) into <out>/<suite>/<model>/; "
                     "the other options then do not apply, except --models and --out")
     ev.add_argument("--models", type=_csv(str), default=None, help="with --suite: only these of its models")
-    ev.add_argument("--task", choices=["niah", "ruler", "fidelity", "code"], default="niah")
+    ev.add_argument("--task", choices=["niah", "ruler", "fidelity", "code", "family"], default="niah")
     ev.add_argument("--methods", type=_csv(str), default=["full", "streamingllm", "snapkv", "semanticache",
                                                            "centroidkv"])
     ev.add_argument("--budgets", type=_csv(float), default=[0.5, 0.25])
     ev.add_argument("--lengths", type=_csv(int), default=[1024, 2048])
     ev.add_argument("--samples", type=int, default=3, help="samples per length (per RULER subtask)")
-    ev.add_argument("--subtasks", type=_csv(str), default=None, help="RULER subtasks (default: all)")
+    ev.add_argument("--subtasks", type=_csv(str), default=None, help="RULER subtasks or task families (default: all)")
     ev.add_argument("--limit", type=int, default=None, help="run only the first N samples")
     ev.add_argument("--protocol", choices=["agnostic", "aware"], default="agnostic")
-    ev.add_argument("--text", default=None, help="UTF-8 file to use instead of the built-in prose")
+    ev.add_argument("--text", default=None, help="a genre (docs, legal, code, table) or a UTF-8 file instead of the built-in prose")
     ev.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill and compress N tokens at a time (rows named <method>@chunk<N>)")
     ev.add_argument("--out", default="results")

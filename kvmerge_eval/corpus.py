@@ -9,7 +9,10 @@ from pathlib import Path
 
 @functools.lru_cache(maxsize=4)
 def prose(path: str | None = None) -> str:
-    """English prose: Python's own `pydoc_data.topics` (the language reference), or a UTF-8 file."""
+    """English prose: Python's own `pydoc_data.topics` (the language reference), a genre's text
+    (`genre_text`: docs, legal, code, table), or a UTF-8 file."""
+    if path in GENRES:
+        return genre_text(path)
     if path is not None:
         return Path(path).read_text(encoding="utf-8")
     from pydoc_data.topics import topics
@@ -27,3 +30,43 @@ def prose(path: str | None = None) -> str:
 def sentences(text: str) -> list[str]:
     """Split prose into sentences (keeps the terminal punctuation)."""
     return [s for s in re.split(r"(?<=[.!?])\s+", text) if s]
+
+
+LICENCES = Path("/usr/share/common-licenses")
+
+
+@functools.lru_cache(maxsize=8)
+def genre_text(genre: str) -> str:
+    """Text of one genre, paragraphs separated by blank lines, all shipped with the system or Python:
+    `docs` Python's language reference; `legal` the licence texts in /usr/share/common-licenses and
+    Python's own LICENSE.txt; `code` standard-library source; `table` rows of the Unicode database."""
+    if genre == "docs":
+        return prose()
+    if genre == "legal":
+        import sys
+
+        files = sorted(p for p in LICENCES.glob("*") if p.is_file() and not p.is_symlink()) if LICENCES.is_dir() else []
+        files += [p for p in Path(sys.base_prefix).glob("lib/python3*/LICENSE.txt")]
+        if not files:
+            raise FileNotFoundError(f"the legal genre needs licence texts: none in {LICENCES} or Python's LICENSE.txt")
+        paragraphs = []
+        for f in files:
+            for para in f.read_text(encoding="utf-8", errors="replace").split("\n\n"):
+                para = " ".join(line.strip() for line in para.splitlines())
+                if len(para) > 120 and sum(c.isalpha() for c in para) > 0.7 * len(para):
+                    paragraphs.append(para)
+        return "\n\n".join(dict.fromkeys(paragraphs))
+    if genre == "code":
+        import argparse, json.decoder, textwrap, inspect, dataclasses  # noqa: E401 - sources, not uses
+
+        return "\n\n".join(inspect.getsource(m) for m in (textwrap, json.decoder, dataclasses, argparse))
+    if genre == "table":
+        import unicodedata
+
+        rows = [f"U+{c:04X} | {unicodedata.name(chr(c))} | {unicodedata.category(chr(c))}"
+                for c in range(0x20, 0x3000) if unicodedata.name(chr(c), "")]
+        return "\n\n".join("\n".join(rows[i:i + 20]) for i in range(0, len(rows), 20))
+    raise ValueError(f"unknown genre {genre!r}; genres: {', '.join(GENRES)}")
+
+
+GENRES = ("docs", "legal", "code", "table")

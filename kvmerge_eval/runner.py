@@ -16,11 +16,12 @@ from tqdm import tqdm
 
 from kvmerge import method_from_spec, split_prompt
 from kvmerge.generate import cache_stats, decode
-from . import code, fidelity, niah, ruler
+from . import code, families, fidelity, niah, ruler
+from .corpus import GENRES
 from .shared import compressed_once
 
-TASKS = ("niah", "ruler", "fidelity", "code")
-MAX_NEW = {"niah": 24, "ruler": 48, "code": 32}
+TASKS = ("niah", "ruler", "fidelity", "code", "family")
+MAX_NEW = {"niah": 24, "ruler": 48, "code": 32, "family": 32}
 
 
 def build_samples(task: str, tok, lengths, samples: int, text=None, subtasks=None) -> list:
@@ -31,8 +32,18 @@ def build_samples(task: str, tok, lengths, samples: int, text=None, subtasks=Non
     if task == "ruler":
         names = subtasks or list(ruler.TASKS)
         return [ruler.TASKS[t](tok, n, 1000 * n + i, text) for t in names for n in lengths for i in range(samples)]
+    if task == "family":  # `text` names the genre of the haystack (families.GENRES)
+        names = subtasks or list(families.TASKS)
+        unknown = [t for t in names if t not in families.TASKS]
+        if unknown:
+            raise ValueError(f"unknown family {unknown[0]!r}; families: {', '.join(families.TASKS)}")
+        return [families.TASKS[t](tok, n, 1000 * n + i, text or "docs") for t in names for n in lengths
+                for i in range(samples)]
     if task == "fidelity":
-        return [fidelity.make_sample(tok, n, seed=1000 * n + i, text=text) for n in lengths for i in range(samples)]
+        out = [fidelity.make_sample(tok, n, seed=1000 * n + i, text=text) for n in lengths for i in range(samples)]
+        for sample in out if text in GENRES else []:  # a genre's rows stand apart from prose's
+            sample.meta["task"] = f"fidelity/{text}"
+        return out
     if task == "code":
         return [code.make_sample(tok, n, seed=1000 * n + i) for n in lengths for i in range(samples)]
     raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
@@ -121,7 +132,7 @@ def _run_prompt(task, model, tok, ctx, jobs, protocol, chunk=None):
             out = decode(session, first, dict(stats), MAX_NEW[task], tok.eos_token_id)
             text = tok.decode(out.tokens[0], skip_special_tokens=True)
             text = text if s.meta.get("raw") else text.strip()
-            score = {"niah": niah.score, "ruler": ruler.score, "code": code.score}[task]
+            score = {"niah": niah.score, "ruler": ruler.score, "code": code.score, "family": ruler.score}[task]
             rows.append({**base, **s.meta, "answer": s.answer, "prediction": text, "score": score(text, s.answer),
                          **{k: stats[k] for k in ("cache_bytes", "full_cache_bytes", "compress_seconds",
                                                   "prefill_seconds")}})
@@ -155,7 +166,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for (task, method, budget, length), rs in sorted(groups.items()):
         row = {"task": task, "method": method, "budget": budget, "length": length, "n": len(rs)}
-        for metric in METRICS.get(task, ("score",)):
+        for metric in METRICS.get(task.split("/")[0], ("score",)):
             row[metric] = sum(r.get(metric, r.get("correct", 0.0)) for r in rs) / len(rs)
         if "cache_bytes" in rs[0]:
             row["cache_fraction"] = sum(r["cache_bytes"] for r in rs) / sum(r["full_cache_bytes"] for r in rs)

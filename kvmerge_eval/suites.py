@@ -9,8 +9,9 @@ the top level are defaults every `[[run]]` may override:
     budgets = [0.25, 0.1]
     [[run]]
     label = "needle"                       # the column's name in the table (default: the task)
-    task = "niah"                          # niah | ruler | fidelity | code
-    subtasks = ["multikey"]                # RULER subtasks (one column each)
+    task = "niah"                          # niah | ruler | fidelity | code | family
+    subtasks = ["multikey"]                # RULER subtasks or task families (one column each)
+    text = "legal"                         # optional: the haystack's genre (docs, legal, code, table) or a file
     lengths = [2048]
     samples = 10
     limit = 3                              # optional: the first N samples only
@@ -28,6 +29,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .corpus import GENRES
 from .runner import METRICS, TASKS, _read, run_key, summarize
 
 SUITES = Path(__file__).parent / "suites"
@@ -137,6 +139,10 @@ def run_suite(suite: Suite, models=None, root="results", load_model=None) -> Non
 def columns(run: Run) -> list[tuple]:
     """(column name, task name in the rows, length, budget) of one run: subtask × length × budget."""
     tasks = run.subtasks or [run.task]
+    if run.task == "family":  # rows name the haystack's genre: <family>/<genre>
+        tasks = [f"{t}/{run.text or 'docs'}" for t in tasks]
+    elif run.task == "fidelity" and run.text in GENRES:
+        tasks = [f"fidelity/{run.text}"]
     out = []
     for t in tasks:
         name = run.label if len(tasks) == 1 else t if run.label == run.task else f"{run.label} {t}"
@@ -174,7 +180,7 @@ def table(suite: Suite, model: str, rows_raw: list[dict], budgets=None) -> str:
         out = []
         for _name, task, n, b in cols:
             r = cell.get((task, label, 1.0 if full else b, n))
-            metric = METRICS.get(task, ("score",))[0]
+            metric = METRICS.get(task.split("/")[0], ("score",))[0]
             out.append("–" if r is None else
                        (f"{r[metric]:.4f}" if metric == "kl" else f"{r[metric]:.0%}") + f" ({r['n']})")
         fractions = []

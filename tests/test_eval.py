@@ -192,3 +192,45 @@ def niah_samples(tok):
     from kvmerge_eval.runner import build_samples
 
     return build_samples("niah", tok, [300], 2)
+
+
+@pytest.mark.parametrize("genre", ["docs", "legal"])
+@pytest.mark.parametrize("name", ["own_words", "same_template_2", "same_template_4", "same_template_8", "two_hop",
+                                  "counting"])
+def test_task_families_state_facts_in_the_haystacks_register(name, genre):
+    from kvmerge_eval import families
+
+    tok = WordTokenizer()
+    s = families.TASKS[name](tok, 600, seed=4, genre=genre)
+    assert 600 <= len(s.context.split()) <= 600 + 120
+    assert "special magic" not in s.context and "answer_prefix" not in s.meta  # no marker, no prefix
+    assert s.meta["task"] == f"{name}/{genre}" and s.answer and s.answer[0] not in s.question
+    if name == "counting":
+        statement = families.COUNTING[genre][0].split("{noun}")[0]
+        assert s.context.count(statement) == int(s.answer[0])
+    else:
+        assert re.search(rf"\b{s.answer[0]}\b", s.context)
+    if name.startswith("same_template"):
+        k = int(name.rsplit("_", 1)[1])
+        template = families.SAME_TEMPLATE[genre][0].split("{key}")[1].split("{value}")[0]
+        assert s.context.count(template) == k
+    if name == "two_hop":  # the question names the pointing key; the value sits beside the other key
+        a = re.search(r"the (\w+) setting take|stated for the (\w+)\?", s.question)
+        assert a and (a.group(1) or a.group(2)) in s.context
+    assert families.TASKS[name](tok, 600, seed=4, genre=genre) == s  # seeded
+    with pytest.raises(ValueError, match="unknown genre 'poetry'"):
+        families.TASKS[name](tok, 600, seed=4, genre="poetry")
+
+
+def test_runner_runs_a_family_and_keeps_genres_apart(tmp_path):
+    tok = _sp_tokenizer()
+    model = tiny_model(vocab_size=len(tok))
+    for genre in ("docs", "legal"):
+        run("family", model, tok, ["full"], [0.5], [300], 1, tmp_path, text=genre, subtasks=["own_words"])
+        run("fidelity", model, tok, ["full"], [0.5], [300], 1, tmp_path, text=genre)
+    rows = [json.loads(x) for x in (tmp_path / "family.jsonl").read_text().splitlines()]
+    assert sorted(r["task"] for r in rows) == ["own_words/docs", "own_words/legal"]
+    kl = json.loads((tmp_path / "fidelity_summary.json").read_text())
+    assert sorted(r["task"] for r in kl) == ["fidelity/docs", "fidelity/legal"] and all(abs(r["kl"]) < 1e-5 for r in kl)
+    with pytest.raises(ValueError, match="unknown family 'nope'"):
+        run("family", model, tok, ["full"], [0.5], [300], 1, tmp_path, subtasks=["nope"])
