@@ -139,11 +139,11 @@ def _run_prompt(task, model, tok, ctx, jobs, protocol, chunk=None):
     return rows
 
 
-_REFERENCE: dict = {}  # (length, seed, continuation length) → full-cache log-probs of a fidelity sample
+_REFERENCE: dict = {}  # a fidelity sample's ids (context, continuation) → its full-cache log-probs
 
 
 def _reference(model, s):
-    key = (s.meta["length"], s.meta["seed"], len(s.answer))
+    key = (tuple(s.context), tuple(s.answer))
     if key not in _REFERENCE:
         _REFERENCE.clear()
         _REFERENCE[key] = fidelity.continuation_logits(model, s.context, s.answer)
