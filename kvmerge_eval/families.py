@@ -16,8 +16,8 @@ from __future__ import annotations
 import random
 import re
 
-from .corpus import genre_text, sentences
-from .niah import Sample
+from .corpus import genre_text
+from .niah import Sample, haystack
 
 GENRES = ("docs", "legal")
 
@@ -76,23 +76,12 @@ def _vocabulary(genre: str) -> list[str]:
     return sorted(w for w, c in counts.items() if c >= 3)
 
 
-def _haystack(tok, n_tokens: int, rng: random.Random, genre: str) -> list[str]:
-    pool = sentences(genre_text(genre))
-    out, total, i = [], 0, rng.randrange(len(pool))
-    while total < n_tokens:
-        s = pool[i % len(pool)]
-        total += len(tok(" " + s, add_special_tokens=False)["input_ids"])
-        out.append(s)
-        i += 1
-    return out
-
-
 def _place(tok, n_tokens: int, rng: random.Random, genre: str, statements: list[str], low: float = 0.1,
            high: float = 0.9) -> str:
     """About `n_tokens` tokens: the statements in order, each at a random depth in [low, high) of the
     genre's haystack, which makes up the rest."""
     own = sum(len(tok(" " + s, add_special_tokens=False)["input_ids"]) for s in statements)
-    hay = _haystack(tok, max(n_tokens - own, 1), rng, genre)
+    hay = haystack(tok, max(n_tokens - own, 1), offset=rng.randrange(10_000), text=genre)
     spots = sorted(rng.randrange(int(low * len(hay)), max(int(high * len(hay)), int(low * len(hay)) + 1))
                    for _ in statements)
     for i, (at, s) in enumerate(zip(spots, statements)):

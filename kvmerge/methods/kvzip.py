@@ -23,8 +23,9 @@ class KVzip(CarriedScores, ScoringMethod):
     `postfix` tokens). An entry's score is the highest attention any query head of its KV group gives
     it at any reconstruction position, the softmax running over the first `sinks` entries, the chunk
     and the reconstruction's own keys (causal). The reconstruction's KV is discarded. Costs about a
-    second prefill. Budget: uniform per layer and head (equal bytes; the paper's global budget
-    across layers and heads would need ragged heads). Chunked prefill: each fresh chunk is
+    second prefill. Budget: uniform per layer and head by default; `alloc="head"` is the paper's global
+    selection across layers and heads (ragged heads, padded), `alloc="layer"` the same ranking evened
+    out per layer (see `ScoringMethod`). Chunked prefill: each fresh chunk is
     reconstructed when it arrives; kept entries keep their scores.
 
     `plus=True` is KVzip+ (kvpress's `kvzip_plus_normalization`): each probability is divided by the
