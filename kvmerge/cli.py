@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--subtasks", type=_csv(str), default=None, help="RULER subtasks or task families (default: all)")
     ev.add_argument("--limit", type=int, default=None, help="run only the first N samples")
     ev.add_argument("--protocol", choices=["agnostic", "aware"], default="agnostic")
-    ev.add_argument("--text", default=None, help="a genre (docs, legal, code, table) or a UTF-8 file instead of the built-in prose")
+    ev.add_argument("--text", default=None, help="a genre (docs, legal, code, table, dialogue) or a UTF-8 file instead of the built-in prose")
     ev.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill and compress N tokens at a time (rows named <method>@chunk<N>)")
     ev.add_argument("--out", default="results")

@@ -280,6 +280,11 @@ class Session:
     def _allocate_globally(method, layers, states, context, target, window, running, dense) -> None:
         """Score every layer, then spread the budget over layers (and heads) by those scores
         (`ScoringMethod.alloc`): each layer's counts `(b, h)` and scores go to its state's scratch."""
+        from .methods import ScoringMethod
+
+        if type(method).compress is not ScoringMethod.compress or type(method).layer_target is not Method.layer_target:
+            raise ValueError(f"{method.name}: alloc={method.alloc!r} applies to methods that keep their highest-scored "
+                             "entries and nothing else; this one merges, or sets its own per-layer budgets")
         if running or not dense or method.has_decode_policy:
             raise ValueError(f"{method.name}: alloc={method.alloc!r} spreads one budget over every layer at once, "
                              "so it needs a one-shot compression (no prefill_chunk) of rows without padding (one "

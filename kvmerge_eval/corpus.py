@@ -10,7 +10,7 @@ from pathlib import Path
 @functools.lru_cache(maxsize=4)
 def prose(path: str | None = None) -> str:
     """English prose: Python's own `pydoc_data.topics` (the language reference), a genre's text
-    (`genre_text`: docs, legal, code, table), or a UTF-8 file."""
+    (`genre_text`: docs, legal, code, table, dialogue), or a UTF-8 file."""
     if path in GENRES:
         return genre_text(path)
     if path is not None:
@@ -39,7 +39,9 @@ LICENCES = Path("/usr/share/common-licenses")
 def genre_text(genre: str) -> str:
     """Text of one genre, paragraphs separated by blank lines, all shipped with the system or Python:
     `docs` Python's language reference; `legal` the licence texts in /usr/share/common-licenses and
-    Python's own LICENSE.txt; `code` standard-library source; `table` rows of the Unicode database."""
+    Python's own LICENSE.txt; `code` standard-library source; `table` rows of the Unicode database;
+    `dialogue` two speakers' alternating turns made of the language reference's sentences (a
+    dialogue's form, not its content: no dialogue corpus ships with the system)."""
     if genre == "docs":
         return prose()
     if genre == "legal":
@@ -60,6 +62,9 @@ def genre_text(genre: str) -> str:
         import argparse, json.decoder, textwrap, inspect, dataclasses  # noqa: E401 - sources, not uses
 
         return "\n\n".join(inspect.getsource(m) for m in (textwrap, json.decoder, dataclasses, argparse))
+    if genre == "dialogue":  # the form of a dialogue (two speakers' turns), the language reference's sentences
+        turns = [f"{'Ana' if i % 2 == 0 else 'Ben'}: {x}" for i, x in enumerate(sentences(prose()))]
+        return "\n\n".join("\n".join(turns[i:i + 6]) for i in range(0, len(turns), 6))
     if genre == "table":
         import unicodedata
 
@@ -69,4 +74,4 @@ def genre_text(genre: str) -> str:
     raise ValueError(f"unknown genre {genre!r}; genres: {', '.join(GENRES)}")
 
 
-GENRES = ("docs", "legal", "code", "table")
+GENRES = ("docs", "legal", "code", "table", "dialogue")

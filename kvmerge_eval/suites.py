@@ -11,7 +11,7 @@ the top level are defaults every `[[run]]` may override:
     label = "needle"                       # the column's name in the table (default: the task)
     task = "niah"                          # niah | ruler | fidelity | code | family
     subtasks = ["multikey"]                # RULER subtasks or task families (one column each)
-    text = "legal"                         # optional: the haystack's genre (docs, legal, code, table) or a file
+    text = "legal"                         # optional: the haystack's genre (docs, legal, code, table, dialogue) or a file
     lengths = [2048]
     samples = 10
     limit = 3                              # optional: the first N samples only

@@ -112,5 +112,9 @@ def test_global_allocation_greedy_generation_runs_and_refuses_what_it_cannot_do(
     with pytest.raises(ValueError, match="rows without padding"):
         kvmerge.generate_ids(model, [random_ids(160, seed=1), random_ids(120, seed=2)], [[3], [4]],
                              kvmerge.get_method("snapkv", alloc="head", window=8), max_new_tokens=2)
+    for spec in ("evictmerge:alloc=head", "pyramidkv:alloc=layer"):  # merging, or budgets of its own
+        with pytest.raises(ValueError, match="applies to methods that keep their highest-scored"):
+            kvmerge.generate_ids(model, random_ids(160, seed=1), [3], kvmerge.method_from_spec(spec + ":window=8", 0.25),
+                                 max_new_tokens=2)
     with pytest.raises(ValueError, match="alloc must be one of uniform, layer, head"):
         kvmerge.method_from_spec("snapkv:alloc=global", 0.25)
