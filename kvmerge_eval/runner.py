@@ -25,7 +25,16 @@ MAX_NEW = {"niah": 24, "ruler": 48, "code": 32, "family": 32}
 
 
 def build_samples(task: str, tok, lengths, samples: int, text=None, subtasks=None) -> list:
-    """Every sample of `task` for each length: `samples` per length (per RULER subtask)."""
+    """Every sample of `task` for each length: `samples` per length (per RULER subtask or family).
+    With a genre as `text` (corpus.GENRES) the rows' task is `<task>/<genre>`, apart from prose's."""
+    out = _samples(task, tok, lengths, samples, text, subtasks)
+    if text in GENRES and task != "family":  # families name their genre themselves
+        for s in out:
+            s.meta["task"] = f"{s.meta.get('task', task)}/{text}"
+    return out
+
+
+def _samples(task, tok, lengths, samples, text, subtasks) -> list:
     if task == "niah":
         depths = [0.1 + 0.8 * i / max(samples - 1, 1) for i in range(samples)]
         return [niah.make_sample(tok, n, d, seed=1000 * n + i, text=text) for n in lengths for i, d in enumerate(depths)]
@@ -40,10 +49,7 @@ def build_samples(task: str, tok, lengths, samples: int, text=None, subtasks=Non
         return [families.TASKS[t](tok, n, 1000 * n + i, text or "docs") for t in names for n in lengths
                 for i in range(samples)]
     if task == "fidelity":
-        out = [fidelity.make_sample(tok, n, seed=1000 * n + i, text=text) for n in lengths for i in range(samples)]
-        for sample in out if text in GENRES else []:  # a genre's rows stand apart from prose's
-            sample.meta["task"] = f"fidelity/{text}"
-        return out
+        return [fidelity.make_sample(tok, n, seed=1000 * n + i, text=text) for n in lengths for i in range(samples)]
     if task == "code":
         return [code.make_sample(tok, n, seed=1000 * n + i) for n in lengths for i in range(samples)]
     raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")

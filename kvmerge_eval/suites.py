@@ -141,8 +141,8 @@ def columns(run: Run) -> list[tuple]:
     tasks = run.subtasks or [run.task]
     if run.task == "family":  # rows name the haystack's genre: <family>/<genre>
         tasks = [f"{t}/{run.text or 'docs'}" for t in tasks]
-    elif run.task == "fidelity" and run.text in GENRES:
-        tasks = [f"fidelity/{run.text}"]
+    elif run.text in GENRES:
+        tasks = [f"{t}/{run.text}" for t in tasks]
     out = []
     for t in tasks:
         name = run.label if len(tasks) == 1 else t if run.label == run.task else f"{run.label} {t}"

@@ -228,6 +228,8 @@ def test_runner_runs_a_family_and_keeps_genres_apart(tmp_path):
     for genre in ("docs", "legal"):
         run("family", model, tok, ["full"], [0.5], [300], 1, tmp_path, text=genre, subtasks=["own_words"])
         run("fidelity", model, tok, ["full"], [0.5], [300], 1, tmp_path, text=genre)
+        run("niah", model, tok, ["full"], [0.5], [300], 1, tmp_path, text=genre)
+    assert sorted(r["task"] for r in json.loads((tmp_path / "niah_summary.json").read_text())) == ["niah/docs", "niah/legal"]
     rows = [json.loads(x) for x in (tmp_path / "family.jsonl").read_text().splitlines()]
     assert sorted(r["task"] for r in rows) == ["own_words/docs", "own_words/legal"]
     kl = json.loads((tmp_path / "fidelity_summary.json").read_text())
