@@ -116,5 +116,8 @@ def test_global_allocation_greedy_generation_runs_and_refuses_what_it_cannot_do(
         with pytest.raises(ValueError, match="applies to methods that keep their highest-scored"):
             kvmerge.generate_ids(model, random_ids(160, seed=1), [3], kvmerge.method_from_spec(spec + ":window=8", 0.25),
                                  max_new_tokens=2)
+    for name in ("evictmerge", "surprisemerge", "d2o"):  # a base's alloc would be ignored: refused
+        with pytest.raises(ValueError, match="alloc='head' would be ignored"):
+            kvmerge.get_method(name, base=kvmerge.get_method("snapkv", alloc="head"))
     with pytest.raises(ValueError, match="alloc must be one of uniform, layer, head"):
         kvmerge.method_from_spec("snapkv:alloc=global", 0.25)

@@ -41,6 +41,9 @@ class D2O(Method):
         super().__post_init__()
         if not (0.0 <= self.ema < 1.0) or self.max_ratio < 1.0:
             raise ValueError(f"need 0 <= ema < 1 and max_ratio >= 1, got ema={self.ema}, max_ratio={self.max_ratio}")
+        if getattr(self.base, "alloc", "uniform") != "uniform":
+            raise ValueError(f"d2o uses its base's scores with its own layer budgets: the base's alloc={self.base.alloc!r} "
+                             "would be ignored")
         self._scale: list[float] = []
         self._tau: float | None = None
 

@@ -57,6 +57,9 @@ class EvictMerge(ScoringMethod):
             if type(getattr(self, part)).scores is ScoringMethod.scores:
                 raise TypeError(f"{part} must be a scoring method (one that defines scores), "
                                 f"got {type(getattr(self, part)).__name__}")
+            if getattr(getattr(self, part), "alloc", "uniform") != "uniform":
+                raise ValueError(f"{self.name} uses its {part}'s scores, not its selection: {part}'s "
+                                 f"alloc={getattr(self, part).alloc!r} would be ignored")
 
     def _parts(self):
         parts = [self.base] + ([self.exact_by] if self.exact > 0 else [])
