@@ -92,3 +92,47 @@ def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, protect=0, at
     weight = masses(log_n) * (kept | join)
     count = torch.zeros(b, h, t, dtype=torch.float32, device=keys.device).scatter_add_(2, assign, weight)
     return KV(weighted_mean(keys, assign, weight, t), weighted_mean(values, assign, weight, t), count.log())
+
+
+def fold_values(keys, values, idx, similarity_threshold: float = 0.0, merge_fraction: float = 1.0,
+                eps: float = 1e-6):
+    """kvpress 0.5.5's `MergingPress.merge`: each slot not in `idx` folds its value into the kept slot
+    whose key is most cosine-similar (every kept slot a candidate, sinks and window included).
+
+    keys, values `(b, h, s, d)`, idx `(b, h, t)` kept slots (any order, no repeats, the same t per
+    head) → the kept slots' values `(b, h, t, d)` in idx's order, in values' dtype. Keys, log-mass and
+    everything else are left as they are: no log-mass, a merged entry gets what its key alone gets.
+
+    An evicted slot e with best cosine c_e to kept slot k weighs w_e = max(c_e, 0)·‖v_e‖ / (‖v_e‖ +
+    ‖v_k‖ + eps) when c_e ≥ `similarity_threshold` and (if `merge_fraction` < 1) c_e is at least the
+    head's (1 − merge_fraction)-quantile of its evicted slots' c (those under the threshold counted as
+    −inf), else 0. Invariant: v_k ← (v_k + Σ_{e→k} w_e v_e) / (1 + Σ_{e→k} w_e), accumulated in float32;
+    a kept slot that receives no weight keeps its value bit for bit.
+    """
+    b, h, s, d = values.shape
+    t = idx.shape[-1]
+    kept_values = gather_slots(values, idx)
+    if t == 0 or t == s:
+        return kept_values
+    evicted = torch.ones(b, h, s, dtype=torch.bool, device=keys.device).scatter_(-1, idx, False)
+    where = evicted.nonzero()[:, 2].reshape(b, h, s - t)  # evicted slots in order, as kvpress
+    unit = keys.float() / keys.float().norm(dim=-1, keepdim=True).clamp(min=eps)
+    best = torch.empty(b, h, s - t, dtype=torch.float32, device=keys.device)
+    target = torch.empty(b, h, s - t, dtype=torch.long, device=keys.device)
+    kept_t = gather_slots(unit, idx).transpose(-1, -2)  # (b, h, d, t)
+    for start in range(0, s - t, 1024):  # the (evicted, kept) similarities a block of rows at a time
+        sim = torch.matmul(gather_slots(unit, where[..., start:start + 1024]), kept_t)
+        torch.max(sim, -1, out=(best[..., start:start + 1024], target[..., start:start + 1024]))
+    ok = best >= similarity_threshold
+    if merge_fraction < 1.0 and bool(ok.any()):
+        floor = best.masked_fill(~ok, float("-inf")).quantile(1.0 - merge_fraction, dim=-1, keepdim=True)
+        ok = ok & (best >= floor)
+    evicted_values = gather_slots(values, where).float()
+    evicted_norm = evicted_values.norm(dim=-1)
+    target_norm = kept_values.float().norm(dim=-1).gather(2, target)
+    weight = best.clamp(min=0) * ok.float() * evicted_norm / (evicted_norm + target_norm + eps)
+    total = torch.zeros(b, h, t, dtype=torch.float32, device=keys.device).scatter_add_(2, target, weight)
+    acc = torch.zeros(b, h, t, d, dtype=torch.float32, device=keys.device).scatter_add_(
+        2, target[..., None].expand(b, h, s - t, d), weight[..., None] * evicted_values)
+    folded = ((kept_values.float() + acc) / (1.0 + total)[..., None]).to(values.dtype)
+    return torch.where((total > 0)[..., None], folded, kept_values)
