@@ -46,8 +46,9 @@ OWN_WORDS = {  # genre → (statement, paraphrased question); {noun} an ordinary
     ],
 }
 SAME_TEMPLATE = {  # (statement, question) with {key} distinguishing the K facts
-    "docs": ("The {key} option of the configuration defaults to {value} when the file does not set it.",
-             "If the file does not set it, what is the default of the {key} option?"),
+    "docs": ("By default the buffer for the {key} holds {value} bytes, and it grows only when a larger object "
+             "is stored.",
+             "How many bytes does the buffer for the {key} hold by default?"),
     "legal": ("Under the {key} clause, the fee payable by the recipient is {value} dollars per year.",
               "How much does the recipient pay per year under the {key} clause, in dollars?"),
 }
@@ -68,12 +69,17 @@ COUNTING = {  # (the counted sentence, question)
 
 
 def _vocabulary(genre: str) -> list[str]:
-    """Ordinary lower-case words of the genre's own text (5 to 10 letters), in a fixed order."""
-    words = re.findall(r"\b[a-z]{5,10}\b", genre_text(genre))
+    """Ordinary nouns of the genre's own text: lower-case words of 5 to 10 letters that follow "the" at
+    least 3 times, in a fixed order."""
     counts: dict[str, int] = {}
-    for w in words:
+    for w in re.findall(r"\bthe ([a-z]{5,10})\b", genre_text(genre)):
         counts[w] = counts.get(w, 0) + 1
     return sorted(w for w, c in counts.items() if c >= 3)
+
+
+def score(prediction: str, answers: list[str]) -> float:
+    """Fraction of the expected answers found in the prediction as whole words ("78" is not in "1978")."""
+    return sum(bool(re.search(rf"(?<!\w){re.escape(a)}(?!\w)", prediction, re.I)) for a in answers) / len(answers)
 
 
 def _place(tok, n_tokens: int, rng: random.Random, genre: str, statements: list[str], low: float = 0.1,

@@ -138,7 +138,7 @@ def _run_prompt(task, model, tok, ctx, jobs, protocol, chunk=None):
             out = decode(session, first, dict(stats), MAX_NEW[task], tok.eos_token_id)
             text = tok.decode(out.tokens[0], skip_special_tokens=True)
             text = text if s.meta.get("raw") else text.strip()
-            score = {"niah": niah.score, "ruler": ruler.score, "code": code.score, "family": ruler.score}[task]
+            score = {"niah": niah.score, "ruler": ruler.score, "code": code.score, "family": families.score}[task]
             rows.append({**base, **s.meta, "answer": s.answer, "prediction": text, "score": score(text, s.answer),
                          **{k: stats[k] for k in ("cache_bytes", "full_cache_bytes", "compress_seconds",
                                                   "prefill_seconds")}})
