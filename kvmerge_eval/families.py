@@ -6,6 +6,8 @@ Each generator: (tokenizer, n_tokens, seed, genre) → `Sample`, `meta["task"]` 
 answers are lists scored like RULER (the fraction found in the prediction). Families:
 
 * `own_words`: one number stated mid-sentence in the genre's words, asked by a paraphrase;
+  keys are names the genre uses itself (standard-library modules in the docs, section numbers in the
+  legal text), not out-of-place names;
 * `same_template_K` (K = 2, 4, 8): K facts written with one template, one of them asked;
 * `two_hop`: one statement points to another ("the same value as ..."), the question asks the first;
 * `counting`: how many sentences of one kind the context holds (2 to 6), answered as a digit.
@@ -16,65 +18,67 @@ from __future__ import annotations
 import random
 import re
 
-from .corpus import genre_text
 from .niah import Sample, haystack
 
 GENRES = ("docs", "legal")
 
-OWN_WORDS = {  # genre → (statement, paraphrased question); {noun} an ordinary word of the genre, {value} a number
+# Keys are names the genre itself uses: standard-library module names in the docs, section numbers in
+# the legal text; {value} is a number.
+OWN_WORDS = {  # genre → (statement, paraphrased question)
     "docs": [
-        ("When the interpreter starts, it reserves {value} slots for the {noun} table before any module is imported, "
-         "so that later lookups need no resizing.",
-         "Before any module is imported, how many slots are set aside for the {noun} table?"),
-        ("By default a {noun} object keeps at most {value} entries in its cache, after which the oldest entries are "
-         "discarded in the order they were added.",
-         "What is the largest number of cached entries a {noun} object holds by default?"),
-        ("The loop that reads the {noun} stream stops after {value} iterations even if more data remains, and the "
-         "caller is expected to resume it.",
-         "After how many iterations does reading the {noun} stream stop?"),
+        ("When the interpreter starts, the {key} module reserves {value} slots for its lookup table before any "
+         "other module is imported, so that later lookups need no resizing.",
+         "Before other modules are imported, how many slots does the {key} module set aside for its lookup table?"),
+        ("By default an object of the {key} module keeps at most {value} entries in its cache, after which the "
+         "oldest entries are discarded in the order they were added.",
+         "What is the largest number of cached entries an object of the {key} module holds by default?"),
+        ("The loop that reads a stream in the {key} module stops after {value} iterations even if more data "
+         "remains, and the caller is expected to resume it.",
+         "After how many iterations does the {key} module stop reading a stream?"),
     ],
     "legal": [
-        ("Notice of any termination concerning the {noun} must be given in writing at least {value} days before it "
+        ("Notice of any termination under Section {key} must be given in writing at least {value} days before it "
          "takes effect, and the remaining terms continue to apply until then.",
-         "How many days in advance must written notice of termination concerning the {noun} be given?"),
-        ("Any claim arising from the {noun} shall be brought within {value} days of the event giving rise to it, "
-         "after which the claim is barred under this section.",
-         "Within how many days must a claim arising from the {noun} be brought?"),
-        ("The total liability of the licensor for the {noun} shall not exceed {value} dollars, regardless of the "
-         "form of the action or the theory of liability.",
-         "What is the most the licensor can be liable for regarding the {noun}, in dollars?"),
+         "How many days in advance must written notice of a termination under Section {key} be given?"),
+        ("Any claim arising under Section {key} shall be brought within {value} days of the event giving rise to "
+         "it, after which the claim is barred.",
+         "Within how many days must a claim arising under Section {key} be brought?"),
+        ("The total liability of the licensor under Section {key} shall not exceed {value} dollars, regardless of "
+         "the form of the action or the theory of liability.",
+         "What is the most the licensor can be liable for under Section {key}, in dollars?"),
     ],
 }
-SAME_TEMPLATE = {  # (statement, question) with {key} distinguishing the K facts
-    "docs": ("By default the buffer for the {key} holds {value} bytes, and it grows only when a larger object "
-             "is stored.",
-             "How many bytes does the buffer for the {key} hold by default?"),
-    "legal": ("Under the {key} clause, the fee payable by the recipient is {value} dollars per year.",
-              "How much does the recipient pay per year under the {key} clause, in dollars?"),
+SAME_TEMPLATE = {  # (statement, question): K facts, one asked by its key
+    "docs": ("By default the buffer of the {key} module holds {value} bytes, and it grows only when a larger "
+             "object is stored.",
+             "How many bytes does the {key} module's buffer hold by default?"),
+    "legal": ("Under Section {key}, the fee payable by the recipient is {value} dollars per year.",
+              "What yearly fee, in dollars, does Section {key} require the recipient to pay?"),
 }
 TWO_HOP = {  # (the pointing statement, the target statement, question)
-    "docs": ("The {a} setting always takes the same value as the {b} setting, whatever the platform.",
-             "The {b} setting is {value} on every supported platform.",
-             "What value does the {a} setting take?"),
-    "legal": ("The period stated for the {a} shall be equal to the period stated for the {b}.",
-              "The period stated for the {b} is {value} days from the date of distribution.",
-              "How many days is the period stated for the {a}?"),
+    "docs": ("The {a} module always uses the same buffer size as the {b} module, whatever the platform.",
+             "The {b} module uses a buffer size of {value} bytes on every supported platform.",
+             "What buffer size does the {a} module use, in bytes?"),
+    "legal": ("The period stated in Section {a} shall be equal to the period stated in Section {b}.",
+              "The period stated in Section {b} is {value} days from the date of distribution.",
+              "How many days is the period stated in Section {a}?"),
 }
 COUNTING = {  # (the counted sentence, question)
-    "docs": ("A warning was reported while the {noun} module was being compiled.",
+    "docs": ("A warning was reported while the {key} module was being compiled.",
              "How many warnings were reported while modules were being compiled? Answer with a digit."),
-    "legal": ("A separate notice was attached for the {noun} component.",
+    "legal": ("A separate notice was attached for the component covered by Section {key}.",
               "How many separate notices were attached for components? Answer with a digit."),
 }
 
 
-def _vocabulary(genre: str) -> list[str]:
-    """Ordinary nouns of the genre's own text: lower-case words of 5 to 10 letters that follow "the" at
-    least 3 times, in a fixed order."""
-    counts: dict[str, int] = {}
-    for w in re.findall(r"\bthe ([a-z]{5,10})\b", genre_text(genre)):
-        counts[w] = counts.get(w, 0) + 1
-    return sorted(w for w, c in counts.items() if c >= 3)
+def _keys(genre: str, rng: random.Random, k: int) -> list[str]:
+    """k distinct keys of the genre: standard-library module names (docs) or section numbers (legal)."""
+    if genre == "docs":
+        import sys
+
+        names = sorted(n for n in sys.stdlib_module_names if n.isalpha() and n.islower() and 4 <= len(n) <= 10)
+        return rng.sample(names, k)
+    return [f"{a}.{b}" for a, b in rng.sample([(a, b) for a in range(2, 15) for b in range(1, 10)], k)]
 
 
 def score(prediction: str, answers: list[str]) -> float:
@@ -104,9 +108,9 @@ def own_words(tok, n, seed, genre="docs") -> Sample:
     _check(genre)
     rng = random.Random(seed)
     statement, question = rng.choice(OWN_WORDS[genre])
-    noun, value = rng.choice(_vocabulary(genre)), str(rng.randint(12, 980))
-    context = _place(tok, n, rng, genre, [statement.format(noun=noun, value=value)])
-    return Sample(context, question.format(noun=noun), [value], {"task": f"own_words/{genre}", "length": n, "seed": seed})
+    key, value = _keys(genre, rng, 1)[0], str(rng.randint(12, 980))
+    context = _place(tok, n, rng, genre, [statement.format(key=key, value=value)])
+    return Sample(context, question.format(key=key), [value], {"task": f"own_words/{genre}", "length": n, "seed": seed})
 
 
 def same_template(k: int):
@@ -114,7 +118,7 @@ def same_template(k: int):
         _check(genre)
         rng = random.Random(seed)
         statement, question = SAME_TEMPLATE[genre]
-        keys = rng.sample(_vocabulary(genre), k)
+        keys = _keys(genre, rng, k)
         values = [str(v) for v in rng.sample(range(12, 980), k)]
         facts = [statement.format(key=key, value=v) for key, v in zip(keys, values)]
         asked = rng.randrange(k)
@@ -128,7 +132,7 @@ def two_hop(tok, n, seed, genre="docs") -> Sample:
     _check(genre)
     rng = random.Random(seed)
     pointing, target, question = TWO_HOP[genre]
-    a, b = rng.sample(_vocabulary(genre), 2)
+    a, b = _keys(genre, rng, 2)
     value = str(rng.randint(12, 980))
     pair = [pointing.format(a=a, b=b), target.format(b=b, value=value)]
     context = _place(tok, n, rng, genre, pair if rng.random() < 0.5 else pair[::-1])
@@ -140,8 +144,7 @@ def counting(tok, n, seed, genre="docs") -> Sample:
     rng = random.Random(seed)
     statement, question = COUNTING[genre]
     count = rng.randint(2, 6)
-    nouns = rng.sample(_vocabulary(genre), count)
-    context = _place(tok, n, rng, genre, [statement.format(noun=x) for x in nouns])
+    context = _place(tok, n, rng, genre, [statement.format(key=x) for x in _keys(genre, rng, count)])
     return Sample(context, question, [str(count)], {"task": f"counting/{genre}", "length": n, "seed": seed})
 
 
