@@ -125,11 +125,9 @@ def _kvpress_model():
     return model.eval()
 
 
-def _scorer_kept(model, press, ids):
-    """Kept positions [layer][head] of a ScorerPress, from its own score → topk step (checked on the cache)."""
-    import torch
-    from transformers import DynamicCache
-
+def _record_topk(press):
+    """Wrap a ScorerPress's `score` on the instance: each layer's kept positions (its score → topk step,
+    `ScorerPress.compress`'s) and full keys land in the two dicts returned, by layer index."""
     from kvpress.utils import compute_n_kept
 
     kept, full = {}, {}
@@ -137,12 +135,20 @@ def _scorer_kept(model, press, ids):
 
     def recording(module, hidden_states, keys, values, attentions, kwargs):
         scores = score(module, hidden_states, keys, values, attentions, kwargs)
-        n_kept = compute_n_kept(keys.shape[2], press.compression_ratio)
-        kept[module.layer_idx] = scores.topk(n_kept, dim=-1).indices  # ScorerPress.compress's step
+        kept[module.layer_idx] = scores.topk(compute_n_kept(keys.shape[2], press.compression_ratio), dim=-1).indices
         full[module.layer_idx] = keys.clone()
         return scores
 
     press.score = recording
+    return kept, full
+
+
+def _scorer_kept(model, press, ids):
+    """Kept positions [layer][head] of a ScorerPress, from its own score → topk step (checked on the cache)."""
+    import torch
+    from transformers import DynamicCache
+
+    kept, full = _record_topk(press)
     cache = DynamicCache()
     with torch.no_grad(), press(model):
         model.model(input_ids=torch.tensor([ids]), past_key_values=cache)
@@ -181,20 +187,10 @@ def _merging_kept(model, ids):
     from transformers import DynamicCache
 
     from kvpress import ExpectedAttentionPress, MergingPress
-    from kvpress.utils import compute_n_kept
 
     inner = ExpectedAttentionPress(compression_ratio=RATIO)
     press = MergingPress(press=inner)
-    kept, full = {}, {}
-    score = inner.score
-
-    def recording(module, hidden_states, keys, values, attentions, kwargs):
-        scores = score(module, hidden_states, keys, values, attentions, kwargs)
-        kept[module.layer_idx] = scores.topk(compute_n_kept(keys.shape[2], RATIO), dim=-1).indices
-        full[module.layer_idx] = keys.clone()
-        return scores
-
-    inner.score = recording
+    kept, full = _record_topk(inner)
     cache = DynamicCache()
     with torch.no_grad(), press(model):
         model.model(input_ids=torch.tensor([ids]), past_key_values=cache)
