@@ -1,0 +1,236 @@
+"""The plugin's settings and the checks run once at startup, in the process that builds vLLM's config.
+
+Switched on by `additional_config={"kvmerge": {"method": SPEC, "budget": B}}` (`LLM(...)` or
+`vllm serve --additional-config`); without that key nothing here changes vLLM. Every refusal is a
+`ValueError` naming what and why. Also the one layout rule the scheduler and the workers share
+(`layout`), so that both sides agree on which blocks a compression frees without talking.
+
+This module imports no vLLM: it reads the config object's attributes only.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from ..methods import LayerContext, Method, method_from_spec
+
+KEY = "kvmerge"
+WORKER = "kvmerge.vllm.runner.KvmergeCPUWorker"
+SCHEDULER = "kvmerge.vllm.scheduler.KvmergeScheduler"
+STOCK_CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
+# Decoder-only RoPE models whose vLLM implementation has one full-attention KV cache group (tested: llama).
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+KERNEL_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # what CPU_ATTN's kernel accepts
+
+
+@dataclass(frozen=True)
+class Settings:
+    """`additional_config["kvmerge"]`: `method`, a spec `kvmerge.method_from_spec` accepts, and
+    `budget` (a float in (0, 1]: the fraction of each prompt's entries kept per layer and KV head; an
+    int: a number of entries; None: the spec's or the method's default)."""
+
+    method: str
+    budget: float | int | None = None
+
+    def build(self) -> Method:
+        """A fresh method object (raises on an unknown method, parameter or a budget out of range)."""
+        return method_from_spec(self.method, self.budget)
+
+
+def settings_of(additional_config) -> Settings | None:
+    """The plugin's settings from vLLM's `additional_config` (None: the plugin is off)."""
+    if not isinstance(additional_config, dict) or additional_config.get(KEY) is None:
+        return None
+    raw = additional_config[KEY]
+    if not isinstance(raw, dict):
+        raise ValueError(f'kvmerge: additional_config["kvmerge"] must be a dict like {{"method": "snapkv", '
+                         f'"budget": 0.25}}, got {raw!r}')
+    unknown = set(raw) - {"method", "budget"}
+    if unknown:
+        raise ValueError(f"kvmerge: unknown setting(s) {', '.join(sorted(unknown))}; the settings are method and budget")
+    if not isinstance(raw.get("method"), str):
+        raise ValueError(f'kvmerge: "method" must be a method spec string (kvmerge.available_methods()), '
+                         f"got {raw.get('method')!r}")
+    budget = raw.get("budget")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))):
+        raise ValueError(f"kvmerge: budget must be a float in (0, 1] or an int number of entries, got {budget!r}")
+    return Settings(raw["method"], budget)
+
+
+class _Read(Exception):
+    """Raised by a `_Probe` when a hook reads the object it stands for."""
+
+
+class _Probe:
+    """Stands for an object a hook is not given in vLLM (the transformers model, a kvmerge Session) or
+    is given later (the tokenizer): any use raises `_Read(what)`."""
+
+    def __init__(self, what: str):
+        object.__setattr__(self, "what", what)
+
+    def __getattr__(self, name):
+        raise _Read(self.what)
+
+    def __call__(self, *args, **kwargs):
+        raise _Read(self.what)
+
+    def __len__(self):
+        raise _Read(self.what)
+
+    def __iter__(self):
+        raise _Read(self.what)
+
+    def __getitem__(self, key):
+        raise _Read(self.what)
+
+
+def hook_reads(method: Method, hook: str) -> str | None:
+    """What `method.setup(model, tokenizer)` or `method.before_compress(session, ...)` reads first
+    ("model", "tokenizer", "session"), tried on a copy with `_Probe`s; None: nothing."""
+    probe = copy.deepcopy(method)
+    try:
+        if hook == "setup":
+            probe.setup(_Probe("model"), _Probe("tokenizer"))
+        else:
+            probe.before_compress(_Probe("session"), [[0, 1]], [0])
+    except _Read as e:
+        return e.args[0]
+    except Exception:  # a hook that fails without its real arguments does something with them
+        return "session" if hook == "before_compress" else "model"
+    return None
+
+
+def _per_layer_budgets(method: Method) -> bool:
+    """Whether `method` plans budgets over layers or gives layers different targets."""
+    if type(method).plan is not Method.plan:
+        return True
+    ctxs = [LayerContext(layer_idx=i, num_layers=4, target=100, sinks=method.sinks, window=method.window, scaling=1.0)
+            for i in range(4)]
+    try:
+        return any(method.layer_target(ctx) != 100 for ctx in ctxs)
+    except Exception:
+        return True
+
+
+def refusal(method: Method) -> str | None:
+    """Why the plugin cannot run `method` yet (None: it can). The plugin compresses each prompt once,
+    inside each layer's attention, right after the prompt's prefill, with one slot count for every
+    layer and head; a method that needs more than that layer's queries, keys, values and the prompt's
+    token ids (and the tokenizer) is refused, by what it needs. Found by probing the method's hooks,
+    so composites (evictmerge's base, ...) are judged by their parts."""
+    name = method.name
+    if method.needs_surprisal:
+        return (f"{name} needs each prompt token's surprisal, i.e. the logits at every prompt position; vLLM computes "
+                "them only after the last layer (and only for prompt logprobs), and the plugin compresses inside "
+                "each layer's attention (it would have to keep every layer's prompt K/V until the logits exist)")
+    if method.has_decode_policy:
+        return (f"{name} changes the cache while decoding (a decode-time policy); the plugin compresses once, "
+                "after the prefill, and vLLM's blocks of decoded tokens are not rewritten")
+    if getattr(method, "alloc", "uniform") != "uniform":
+        return (f"{name}: alloc={method.alloc!r} gives layers or heads different entry counts; vLLM's block table is "
+                "shared by every layer and head of a request, so each keeps the same count")
+    if _per_layer_budgets(method):
+        return (f"{name} sets per-layer budgets; vLLM's block table is shared by every layer of a request, so every "
+                "layer keeps the same number of entries (the largest could be kept and the rest masked; not "
+                "implemented)")
+    if hook_reads(method, "before_compress") is not None:
+        return (f"{name} runs another forward pass over the prompt before compressing (e.g. KVzip's reconstruction); "
+                "the plugin compresses inside one forward and has no second pass")
+    if hook_reads(method, "setup") == "model":
+        return (f"{name} reads the transformers model in setup (e.g. Expected Attention's rotary embedding, to undo "
+                "RoPE on the queries); vLLM's workers hold vLLM's model, not a transformers one")
+    return None
+
+
+def padded_head_size(head_size: int) -> int:
+    """The smallest head size CPU_ATTN's kernel accepts with room for the log-mass channel."""
+    fits = [s for s in KERNEL_HEAD_SIZES if s > head_size]
+    if not fits:
+        raise ValueError(f"kvmerge: head size {head_size} leaves no room for the log-mass channel in CPU_ATTN's "
+                         f"kernel (largest {KERNEL_HEAD_SIZES[-1]})")
+    return fits[0]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a compressed prompt of `prompt` tokens lives in its request's blocks.
+
+    The `kept` entries (per layer and KV head) are written right-aligned in the logical slots
+    [`start`, `prompt`) with `start` = `freed` · block size; the `start`..`prompt` − `kept` slots before
+    them are empty (log-mass −1000: zero attention). Blocks [0, `freed`) go back to vLLM's pool and
+    attention reads the request's block table from block `freed` on, with `freed` · block size fewer
+    tokens; decoded tokens keep landing at positions `prompt`, `prompt` + 1, ... (their true ones)."""
+
+    prompt: int
+    kept: int
+    freed: int
+    block_size: int
+
+    @property
+    def start(self) -> int:
+        return self.freed * self.block_size
+
+    @property
+    def empty(self) -> int:
+        """Slots in [start, prompt) before the kept entries, masked out."""
+        return self.prompt - self.start - self.kept
+
+
+def layout(method: Method, prompt: int, block_size: int) -> Layout:
+    """The layout of a prompt of `prompt` tokens compressed by `method` in blocks of `block_size`.
+
+    `kept` is `method.running_target(prompt)`: the budget, never below the protected sinks + window
+    (a prompt too short for its budget keeps sinks + window entries instead of being refused; for
+    prompts long enough this equals `method.target(prompt)`, what kvmerge's transformers runtime keeps)."""
+    kept = prompt if prompt <= 1 else method.running_target(prompt)
+    return Layout(prompt, kept, (prompt - kept) // block_size, block_size)
+
+
+def check(vllm_config) -> Settings | None:
+    """Validate the plugin's settings against vLLM's config: None when the plugin is off, else the
+    settings; raises a ValueError naming the problem (and what to pass instead)."""
+    settings = settings_of(getattr(vllm_config, "additional_config", None))
+    if settings is None:
+        return None
+    try:
+        method = settings.build()
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"kvmerge: {e}") from e
+    reason = refusal(method)
+    if reason is not None:
+        raise ValueError(f"kvmerge: method {settings.method!r} cannot run inside vLLM yet: {reason}")
+    model = vllm_config.model_config
+    text = model.hf_text_config
+    kind = getattr(text, "model_type", None)
+    if getattr(model.hf_config, "is_encoder_decoder", False) or kind not in MODEL_TYPES:
+        raise ValueError(f"kvmerge: unsupported model type {kind!r}: the vLLM plugin compresses decoder-only RoPE "
+                         f"models whose layers all use full attention; supported: {', '.join(MODEL_TYPES)}")
+    layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if getattr(text, "sliding_window", None) is not None or layer_types != {"full_attention"}:
+        raise ValueError(f"kvmerge: model {kind!r} has sliding-window layers; their blocks are managed by vLLM's "
+                         "sliding-window manager and would need their own layout (a hybrid model's sliding layers "
+                         "are not compressed by kvmerge either): not supported by the plugin yet")
+    padded_head_size(model.get_head_size())
+    cache = vllm_config.cache_config
+    if cache.enable_prefix_caching:
+        raise ValueError("kvmerge: prefix caching is on: compression rewrites a prompt's blocks, which prefix caching "
+                         "would share with other requests. Pass enable_prefix_caching=False "
+                         "(vllm serve: --no-enable-prefix-caching)")
+    if cache.cache_dtype not in ("auto", None) and not str(cache.cache_dtype).startswith(("float", "bfloat", "half")):
+        raise ValueError(f"kvmerge: kv_cache_dtype={cache.cache_dtype!r}: quantized KV caches are not supported "
+                         "(the log-mass channel needs a float cache)")
+    if vllm_config.speculative_config is not None:
+        raise ValueError("kvmerge: speculative decoding is not supported (draft tokens write and drop KV entries)")
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size * parallel.data_parallel_size != 1:
+        raise ValueError("kvmerge: the vLLM plugin runs one worker (tensor, pipeline and data parallel size 1)")
+    if vllm_config.use_v2_model_runner:
+        raise ValueError("kvmerge: vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1, or a Triton CPU backend) "
+                         "is not supported; the plugin hooks the V1 runner")
+    if parallel.worker_cls not in ("auto", STOCK_CPU_WORKER, WORKER):
+        raise ValueError(f"kvmerge: a custom worker_cls ({parallel.worker_cls}) cannot be combined with the plugin")
+    scheduler_cls = vllm_config.scheduler_config.scheduler_cls
+    if scheduler_cls not in (None, SCHEDULER, "vllm.v1.core.sched.scheduler.Scheduler"):
+        raise ValueError(f"kvmerge: a custom scheduler_cls ({scheduler_cls}) cannot be combined with the plugin")
+    return settings

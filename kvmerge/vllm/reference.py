@@ -1,0 +1,80 @@
+"""kvmerge's transformers runtime as the reference the vLLM plugin is compared with.
+
+Runs in kvmerge's main environment (transformers 5.24; the runtime needs it), never imports vLLM:
+
+    python -m kvmerge.vllm.reference prompts --samples 4 --length 2048 > prompts.json
+    python -m kvmerge.vllm.reference greedy --method snapkv --budget 0.25 --tokens 32 < prompts.json > ref.json
+
+`prompts`: kvmerge's NIAH samples (kvmerge_eval), each a whole chat prompt of token ids (context and
+question together: the plugin compresses the whole prompt, i.e. kvmerge's question-aware protocol).
+`greedy`: per prompt, the greedy tokens of `Session` prefill (compressed with the method) + decode,
+and at each step the log-probabilities of the top `top` tokens, to locate and size divergences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def niah_prompts(tokenizer, samples: int, length: int, seed: int = 0) -> list[dict]:
+    """`samples` NIAH prompts of about `length` context tokens (depths spread over the context):
+    [{"ids": whole prompt ids, "answer": str, "question_start": index of the question's first id}]."""
+    from kvmerge_eval import niah
+    from kvmerge_eval.runner import prompt_ids
+
+    out = []
+    for i in range(samples):
+        sample = niah.make_sample(tokenizer, length, depth=(i + 0.5) / samples, seed=seed + i)
+        context, question = prompt_ids(tokenizer, sample)
+        out.append({"ids": context + question, "answer": sample.answer, "question_start": len(context)})
+    return out
+
+
+@torch.inference_mode()
+def greedy(model, prompt: list[int], method, tokens: int, top: int = 5) -> dict:
+    """{"tokens": greedy ids, "top": per step [[id, logprob], ...] best first} for one prompt compressed
+    whole by `method` right after its prefill (kvmerge's question-aware protocol, empty question)."""
+    from kvmerge import Session
+
+    session = Session(model, 1, method)
+    logits = session.prefill([list(prompt)], window=method.window)
+    session.reserve(tokens)
+    ids, tops = [], []
+    for _ in range(tokens):
+        logp = torch.log_softmax(logits[0].float(), -1)
+        best = logp.topk(top)
+        tops.append([[int(i), float(v)] for i, v in zip(best.indices, best.values)])
+        ids.append(int(best.indices[0]))
+        logits = session.forward([[ids[-1]]])
+    return {"tokens": ids, "top": tops}
+
+
+def main(argv=None) -> None:
+    import kvmerge
+
+    parser = argparse.ArgumentParser(prog="python -m kvmerge.vllm.reference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prompts")
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    g = sub.add_parser("greedy")
+    g.add_argument("--method", default="full")
+    g.add_argument("--budget", type=float, default=None)
+    g.add_argument("--tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+    model, tok = kvmerge.load_model()
+    if args.command == "prompts":
+        json.dump(niah_prompts(tok, args.samples, args.length, args.seed), sys.stdout)
+        return
+    prompts = json.load(sys.stdin)
+    method = kvmerge.method_from_spec(args.method, args.budget)
+    json.dump([greedy(model, p["ids"], method, args.tokens) for p in prompts], sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The scheduler side: after a step that prefilled a whole prompt, the blocks its compression freed
+go back to vLLM's block pool, so the scheduler admits more requests.
+
+A request whose step started at token 0 with more than one token is a whole prompt (chunked prefill
+is off), compressed by the workers in that step to `layout(...)`; the same rule gives the same
+layout here. Its blocks [0, freed) are replaced by the pool's null block and freed, as vLLM's
+sliding-window manager does for blocks out of its window: the request's block list keeps its length,
+so block index = position // block size stays true for the tokens that follow. A preempted request
+frees all its blocks as usual and is compressed again when vLLM recomputes it.
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from .config import layout, settings_of
+
+logger = init_logger("vllm.plugins.kvmerge")  # under "vllm": printed with vLLM's own log lines
+STATS_KEPT = 4096  # the most recent compressions whose figures `kvmerge_stats` keeps
+
+
+class KvmergeScheduler(Scheduler):
+    """vLLM's scheduler freeing the blocks each compression releases. `kvmerge_stats`: per compressed
+    request (the latest `STATS_KEPT`), its last layout, the blocks it held (non-null) right after the
+    release, the pool's usage then, and how many times it was compressed (more than once when vLLM
+    preempted and recomputed it); `kvmerge_peak_running`: the most requests running at once."""
+
+    def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
+        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        self.kvmerge_method = settings_of(vllm_config.additional_config).build()
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+            raise ValueError("kvmerge: the plugin needs one full-attention KV cache group (no sliding-window or "
+                             f"hybrid layers); this model has {[type(g.kv_cache_spec).__name__ for g in groups]}")
+        self.kvmerge_block_size = groups[0].kv_cache_spec.block_size
+        self.kvmerge_prefilling: dict[str, int] = {}
+        self.kvmerge_stats: dict[str, dict] = {}
+        self.kvmerge_peak_running = 0
+
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
+        for req_id, n in out.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if n > 1 and request.num_computed_tokens == n:  # started at token 0 (already advanced by n)
+                self.kvmerge_prefilling[req_id] = n
+        self.kvmerge_peak_running = max(self.kvmerge_peak_running, len(self.running))
+        return out
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        out = super().update_from_output(scheduler_output, model_runner_output)
+        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
+        for req_id in scheduler_output.num_scheduled_tokens:
+            n = self.kvmerge_prefilling.pop(req_id, None)
+            if n is None or req_id not in manager.req_to_blocks:  # not a prefill, or finished already
+                continue
+            lay = layout(self.kvmerge_method, n, self.kvmerge_block_size)
+            if lay.freed:
+                manager._remove_blocks_in_range(req_id, 0, lay.freed)
+            blocks = manager.req_to_blocks[req_id]
+            held = sum(not b.is_null for b in blocks)
+            times = self.kvmerge_stats.pop(req_id, {}).get("compressions", 0) + 1  # > 1: recomputed after preemption
+            self.kvmerge_stats[req_id] = {"prompt": lay.prompt, "kept": lay.kept, "freed": lay.freed, "held": held,
+                                          "compressions": times,
+                                          "listed": len(blocks), "pool_usage": self.kv_cache_manager.usage,
+                                          "pool_free": self.kv_cache_manager.block_pool.get_num_free_blocks()}
+            logger.info("kvmerge: request %s: %d prompt tokens kept as %d entries per layer and KV head; %d blocks "
+                        "freed, %d held", req_id, lay.prompt, lay.kept, lay.freed, held)
+            if len(self.kvmerge_stats) > STATS_KEPT:
+                self.kvmerge_stats.pop(next(iter(self.kvmerge_stats)))
+        return out

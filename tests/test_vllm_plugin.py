@@ -1,0 +1,140 @@
+"""The vLLM plugin switched on and off: settings checked at startup with clear errors, the stock config
+untouched when off, and with `full` the same greedy tokens as stock vLLM. Runs in .venv-vllm
+(make test-vllm); skipped where vLLM is not installed."""
+
+import gc
+import json
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+
+import kvmerge  # noqa: E402
+from kvmerge.model import cache_dir  # noqa: E402
+from kvmerge.vllm.config import SCHEDULER, WORKER, layout, refusal  # noqa: E402
+
+MODEL = cache_dir() / "smollm2-135m"
+ENGINE = dict(model=str(MODEL), dtype="float32", max_model_len=4096, enforce_eager=True, block_size=32,
+              enable_prefix_caching=False)
+needs_model = pytest.mark.skipif(not (MODEL / "model.safetensors").exists(),
+                                 reason="bundled SmolLM2 not converted yet (make test-vllm converts it)")
+
+
+def config(kvmerge_settings=None, **overrides):
+    kwargs = {**ENGINE, **overrides}
+    if kvmerge_settings is not None:
+        kwargs["additional_config"] = {"kvmerge": kvmerge_settings}
+    return EngineArgs(**kwargs).create_engine_config()
+
+
+@needs_model
+def test_plugin_off_leaves_the_config_stock_and_on_installs_its_worker_and_scheduler():
+    stock = config()
+    assert stock.parallel_config.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker"
+    assert stock.scheduler_config.scheduler_cls is None
+    assert stock.scheduler_config.enable_chunked_prefill
+    on = config({"method": "snapkv", "budget": 0.25})
+    assert on.parallel_config.worker_cls == WORKER and on.scheduler_config.scheduler_cls == SCHEDULER
+    assert not on.scheduler_config.enable_chunked_prefill
+    assert on.scheduler_config.max_num_batched_tokens >= 4096
+
+
+@needs_model
+@pytest.mark.parametrize("settings, message", [
+    ({"method": "nosuch", "budget": 0.25}, "unknown method 'nosuch'"),
+    ({"method": "snapkv", "budget": 1.5}, r"budget fraction must be in \(0, 1\], got 1.5"),
+    ({"method": "snapkv", "budget": 0.0}, r"budget fraction must be in \(0, 1\], got 0.0"),
+    ({"method": "snapkv", "budget": 3}, "below the protected sinks"),
+    ({"method": "snapkv", "budget": "half"}, "budget must be a float"),
+    ({"method": "snapkv:kernal=5"}, "snapkv has no parameter"),
+    ({"budget": 0.25}, '"method" must be a method spec'),
+    ({"method": "snapkv", "ratio": 0.25}, "unknown setting"),
+    ({"method": "expectmerge", "budget": 0.25}, "expectmerge needs each prompt token's surprisal"),
+    ({"method": "kvzip", "budget": 0.25}, "kvzip runs another forward pass"),
+    ({"method": "pyramidkv", "budget": 0.25}, "pyramidkv sets per-layer budgets"),
+    ({"method": "tova", "budget": 0.25}, "tova changes the cache while decoding"),
+    ({"method": "expected_attention", "budget": 0.25}, "reads the transformers model in setup"),
+    ({"method": "snapkv:alloc=head", "budget": 0.25}, "alloc='head'"),
+])
+def test_bad_settings_fail_at_startup_naming_the_problem(settings, message):
+    with pytest.raises(ValueError, match=message):
+        config(settings)
+
+
+@needs_model
+def test_prefix_caching_with_compression_is_refused():
+    with pytest.raises(ValueError, match="enable_prefix_caching=False"):
+        config({"method": "snapkv", "budget": 0.25}, enable_prefix_caching=True)
+
+
+@needs_model
+def test_unsupported_model_type_is_refused(tmp_path):
+    """A Gemma-3 (sliding-window layers) config: refused before any weight is read."""
+    text = json.loads((MODEL / "config.json").read_text())
+    text.update(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], sliding_window=512,
+                layer_types=["sliding_attention"] * 29 + ["full_attention"], query_pre_attn_scalar=64,
+                head_dim=64, rope_local_base_freq=10000.0)
+    (tmp_path / "config.json").write_text(json.dumps(text))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((MODEL / name).read_text())
+    with pytest.raises(ValueError, match="unsupported model type 'gemma3_text'"):
+        config({"method": "snapkv", "budget": 0.25}, model=str(tmp_path))
+
+
+def test_every_registered_method_is_runnable_or_refused_with_a_reason():
+    runnable = {n for n in kvmerge.available_methods() if refusal(kvmerge.get_method(n)) is None}
+    assert {"full", "snapkv", "h2o", "keydiff", "streamingllm", "evictmerge", "cam", "kmeans", "semanticache"} <= runnable
+    for name in {"surprisal", "surprisemerge", "expectmerge", "kvzip", "pyramidkv", "d2o", "tova", "centroidkv",
+                 "expected_attention", "mixed_attention"}:
+        assert refusal(kvmerge.get_method(name)).startswith(name)
+
+
+def test_layout_frees_whole_blocks_before_the_kept_entries():
+    lay = layout(kvmerge.get_method("snapkv", budget=0.25), 2123, 32)
+    assert (lay.kept, lay.freed, lay.start, lay.empty) == (531, 49, 1568, 24)
+    assert layout(kvmerge.get_method("full"), 2123, 32).freed == 0
+    short = layout(kvmerge.get_method("snapkv", budget=0.25), 50, 32)  # below sinks + window: 36 kept
+    assert (short.kept, short.freed) == (36, 0)
+
+
+def prompts_of_8(tokenizer) -> list[list[int]]:
+    """8 chat prompts of 20 to ~900 tokens."""
+    topics = ["the tides", "a bakery", "volcanoes", "chess openings", "a lighthouse", "honey bees", "old maps",
+              "the violin"]
+    out = []
+    for i, topic in enumerate(topics):
+        body = " ".join(f"Note {j}: something worth knowing about {topic}, item {j * 7 % 13}." for j in range(i * i * 4))
+        text = tokenizer.apply_chat_template([{"role": "user", "content": f"{body}\nWrite two sentences about {topic}."}],
+                                             tokenize=False, add_generation_prompt=True)
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def greedy(llm, prompts, tokens=24):
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def close(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+@needs_model
+def test_full_gives_the_tokens_of_stock_vllm_on_8_prompts():
+    stock = LLM(**ENGINE)
+    prompts = prompts_of_8(stock.get_tokenizer())
+    want = greedy(stock, prompts)
+    close(stock)
+    plugin = LLM(**ENGINE, additional_config={"kvmerge": {"method": "full"}})
+    got = greedy(plugin, prompts)
+    close(plugin)
+    assert len({len(p) for p in prompts}) == 8 and max(len(p) for p in prompts) > 500
+    assert got == want

@@ -1,0 +1,86 @@
+"""The plugin against kvmerge's transformers runtime: snapkv (eviction) and evictmerge (merging: entries
+with log-mass, attended through the extra key channel) at 25% inside vLLM give the same greedy tokens,
+with the same log-probabilities, as `kvmerge.Session` on kvmerge's NIAH prompts of ~2.1k tokens, while
+vLLM's pool is small enough that freed blocks are reused by the other requests; and the scheduler's
+own figures show the blocks released and the requests admitted.
+
+The reference runs in kvmerge's main environment (.venv, transformers 5.24: the runtime needs it) as
+`python -m kvmerge.vllm.reference`; this test runs in .venv-vllm (make test-vllm)."""
+
+import gc
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+
+from kvmerge.model import cache_dir  # noqa: E402
+
+MAIN_PYTHON = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"
+MODEL = cache_dir() / "smollm2-135m"
+TOKENS, BLOCK, POOL = 32, 32, 130  # 130 blocks of 32: one 2.1k prompt (67 blocks) at a time without compression
+pytestmark = pytest.mark.skipif(not MAIN_PYTHON.exists() or not (MODEL / "model.safetensors").exists(),
+                                reason="needs kvmerge's main venv (.venv: make setup) and the converted SmolLM2")
+
+
+def reference(*args: str, stdin: str | None = None) -> list:
+    out = subprocess.run([str(MAIN_PYTHON), "-m", "kvmerge.vllm.reference", *args], input=stdin, capture_output=True,
+                         text=True, check=True, timeout=1800, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return reference("prompts", "--samples", "4", "--length", "2048")
+
+
+def first_divergence(got_tokens, got_logprobs, want) -> dict:
+    """Where two greedy runs part (None: nowhere) and, up to there, the largest difference between the
+    log-probabilities both give the reference's token; at the divergence, both tokens' log-probabilities."""
+    at = next((i for i, (a, b) in enumerate(zip(got_tokens, want["tokens"])) if a != b), None)
+    upto = len(want["tokens"]) if at is None else at
+    diffs = [abs(got_logprobs[i][t].logprob - dict(want["top"][i])[t])
+             for i, t in enumerate(want["tokens"][:upto]) if t in got_logprobs[i]]
+    out = {"first_divergence": at, "max_logprob_diff": max(diffs, default=math.inf)}
+    if at is not None:
+        ref_top = dict(want["top"][at])
+        out["at_divergence"] = {"vllm": {t: lp.logprob for t, lp in got_logprobs[at].items()}, "transformers": ref_top}
+    return out
+
+
+@pytest.mark.parametrize("method", ["snapkv", "evictmerge"])
+def test_method_matches_the_transformers_runtime_and_frees_blocks(monkeypatch, prompts, method):
+    from vllm import envs
+
+    want = reference("greedy", "--method", method, "--budget", "0.25", "--tokens", str(TOKENS), stdin=json.dumps(prompts))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: its scheduler is readable
+    llm = LLM(model=str(MODEL), dtype="float32", max_model_len=4096, enforce_eager=True, block_size=BLOCK,
+              enable_prefix_caching=False, num_gpu_blocks_override=POOL,
+              additional_config={"kvmerge": {"method": method, "budget": 0.25}})
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+        outs = llm.generate([{"prompt_token_ids": p["ids"]} for p in prompts], params)
+        stats, peak = dict(scheduler.kvmerge_stats), scheduler.kvmerge_peak_running
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        envs.disable_envs_cache()
+    report = [first_divergence(list(o.outputs[0].token_ids), o.outputs[0].logprobs, w) for o, w in zip(outs, want)]
+    print(method, json.dumps(report))
+    assert all(r["first_divergence"] is None for r in report), report
+    assert max(r["max_logprob_diff"] for r in report) < 1e-3, report
+    assert len(stats) == 4 and peak == 4, (stats, peak)  # stock vLLM runs one at a time on this pool
+    for p, s in zip(prompts, [stats[k] for k in sorted(stats, key=lambda k: int(k.split("-")[0]))]):
+        assert s["prompt"] == len(p["ids"]) and s["kept"] == round(0.25 * len(p["ids"]))
+        assert s["freed"] == (s["prompt"] - s["kept"]) // BLOCK and s["listed"] == math.ceil(s["prompt"] / BLOCK)
+        assert s["held"] <= math.ceil(s["kept"] / BLOCK) + 1  # the budget's blocks plus at most one
