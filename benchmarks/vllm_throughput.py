@@ -32,7 +32,8 @@ def prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
         notes, body = [], 0
         while body < length - 40:
             j = len(notes)
-            notes.append(f"Note {seed}.{i}.{j}: parcel {j * 37 % 101} left depot {j % 13} at {j % 24}:{j * 7 % 60:02d}.")
+            notes.append(f"Note {seed}.{i}.{j}: parcel {j * 37 % 101} left depot {j % 13} "
+                         f"at {j % 24}:{j * 7 % 60:02d}.")
             body += 22
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": " ".join(notes) + f"\nWhich depot did parcel {i % 101} leave from?"}],

@@ -89,7 +89,8 @@ def test_unsupported_model_type_is_refused(tmp_path):
 
 def test_every_registered_method_is_runnable_or_refused_with_a_reason():
     runnable = {n for n in kvmerge.available_methods() if refusal(kvmerge.get_method(n)) is None}
-    assert {"full", "snapkv", "h2o", "keydiff", "streamingllm", "evictmerge", "cam", "kmeans", "semanticache"} <= runnable
+    assert runnable >= {"full", "snapkv", "h2o", "keydiff", "streamingllm", "evictmerge", "cam", "kmeans",
+                        "semanticache"}
     for name in {"surprisal", "surprisemerge", "expectmerge", "kvzip", "pyramidkv", "d2o", "tova", "centroidkv",
                  "expected_attention", "mixed_attention"}:
         assert refusal(kvmerge.get_method(name)).startswith(name)
@@ -109,9 +110,10 @@ def prompts_of_8(tokenizer) -> list[list[int]]:
               "the violin"]
     out = []
     for i, topic in enumerate(topics):
-        body = " ".join(f"Note {j}: something worth knowing about {topic}, item {j * 7 % 13}." for j in range(i * i * 4))
-        text = tokenizer.apply_chat_template([{"role": "user", "content": f"{body}\nWrite two sentences about {topic}."}],
-                                             tokenize=False, add_generation_prompt=True)
+        body = " ".join(f"Note {j}: something worth knowing about {topic}, item {j * 7 % 13}."
+                        for j in range(i * i * 4))
+        message = {"role": "user", "content": f"{body}\nWrite two sentences about {topic}."}
+        text = tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
         out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return out
 

@@ -26,7 +26,10 @@ from kvmerge.model import cache_dir  # noqa: E402
 
 MAIN_PYTHON = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"
 MODEL = cache_dir() / "smollm2-135m"
-TOKENS, BLOCK, POOL = 32, 32, 130  # 130 blocks of 32: one 2.1k prompt (67 blocks) at a time without compression
+TOKENS, BLOCK = 32, 32
+# snapkv: 130 blocks of 32, room for one uncompressed 2.1k prompt (67 blocks) at a time, so each prompt's
+# blocks include blocks freed by the ones before; evictmerge: a roomy pool and all 4 prompts in one step.
+SETTINGS = {"snapkv": dict(num_gpu_blocks_override=130), "evictmerge": dict(max_num_batched_tokens=9000)}
 pytestmark = pytest.mark.skipif(not MAIN_PYTHON.exists() or not (MODEL / "model.safetensors").exists(),
                                 reason="needs kvmerge's main venv (.venv: make setup) and the converted SmolLM2")
 
@@ -60,16 +63,18 @@ def first_divergence(got_tokens, got_logprobs, want) -> dict:
 def test_method_matches_the_transformers_runtime_and_frees_blocks(monkeypatch, prompts, method):
     from vllm import envs
 
-    want = reference("greedy", "--method", method, "--budget", "0.25", "--tokens", str(TOKENS), stdin=json.dumps(prompts))
+    want = reference("greedy", "--method", method, "--budget", "0.25", "--tokens", str(TOKENS),
+                     stdin=json.dumps(prompts))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: its scheduler is readable
     llm = LLM(model=str(MODEL), dtype="float32", max_model_len=4096, enforce_eager=True, block_size=BLOCK,
-              enable_prefix_caching=False, num_gpu_blocks_override=POOL,
-              additional_config={"kvmerge": {"method": method, "budget": 0.25}})
+              enable_prefix_caching=False, additional_config={"kvmerge": {"method": method, "budget": 0.25}},
+              **SETTINGS[method])
     try:
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, logprobs=5)
         outs = llm.generate([{"prompt_token_ids": p["ids"]} for p in prompts], params)
         stats, peak = dict(scheduler.kvmerge_stats), scheduler.kvmerge_peak_running
+        together = scheduler.kvmerge_peak_prompts
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -79,7 +84,8 @@ def test_method_matches_the_transformers_runtime_and_frees_blocks(monkeypatch, p
     print(method, json.dumps(report))
     assert all(r["first_divergence"] is None for r in report), report
     assert max(r["max_logprob_diff"] for r in report) < 1e-3, report
-    assert len(stats) == 4 and peak == 4, (stats, peak)  # stock vLLM runs one at a time on this pool
+    assert len(stats) == 4 and peak == 4, (stats, peak)  # on snapkv's pool stock vLLM runs one at a time
+    assert together == {"snapkv": 1, "evictmerge": 4}[method]
     for p, s in zip(prompts, [stats[k] for k in sorted(stats, key=lambda k: int(k.split("-")[0]))]):
         assert s["prompt"] == len(p["ids"]) and s["kept"] == round(0.25 * len(p["ids"]))
         assert s["freed"] == (s["prompt"] - s["kept"]) // BLOCK and s["listed"] == math.ceil(s["prompt"] / BLOCK)

@@ -26,7 +26,8 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 from .compress import EMPTY_LOG_N, compress_prompt, paged_entries, worker_method
 from .config import Layout, padded_head_size
 
-__all__ = ["EMPTY_LOG_N", "STATS", "KvmergeCPUBackend", "Prompt", "StepPlan", "channel_query", "shifted", "with_channel"]
+__all__ = ["EMPTY_LOG_N", "STATS", "KvmergeCPUBackend", "Prompt", "StepPlan", "channel_query", "shifted",
+           "with_channel"]
 
 STATS = {"compress_seconds": 0.0, "compressed_layers": 0}  # this worker process's compressions, for benchmarks
 

@@ -48,7 +48,8 @@ def settings_of(additional_config) -> Settings | None:
                          f'"budget": 0.25}}, got {raw!r}')
     unknown = set(raw) - {"method", "budget"}
     if unknown:
-        raise ValueError(f"kvmerge: unknown setting(s) {', '.join(sorted(unknown))}; the settings are method and budget")
+        raise ValueError(f"kvmerge: unknown setting(s) {', '.join(sorted(unknown))}; "
+                         "the settings are method and budget")
     if not isinstance(raw.get("method"), str):
         raise ValueError(f'kvmerge: "method" must be a method spec string (kvmerge.available_methods()), '
                          f"got {raw.get('method')!r}")
@@ -63,7 +64,7 @@ class _Read(Exception):
 
 
 class _Probe:
-    """Stands for an object a hook is not given in vLLM (the transformers model, a kvmerge Session) or
+    """Stands for an object a hook is not given in vLLM (the transformers model, kvmerge's runtime) or
     is given later (the tokenizer): any use raises `_Read(what)`."""
 
     def __init__(self, what: str):
@@ -86,18 +87,18 @@ class _Probe:
 
 
 def hook_reads(method: Method, hook: str) -> str | None:
-    """What `method.setup(model, tokenizer)` or `method.before_compress(session, ...)` reads first
-    ("model", "tokenizer", "session"), tried on a copy with `_Probe`s; None: nothing."""
+    """What `method.setup(model, tokenizer)` or `method.before_compress(runtime, ...)` reads first
+    ("model", "tokenizer", "runtime"), tried on a copy with `_Probe`s; None: nothing."""
     probe = copy.deepcopy(method)
     try:
         if hook == "setup":
             probe.setup(_Probe("model"), _Probe("tokenizer"))
         else:
-            probe.before_compress(_Probe("session"), [[0, 1]], [0])
+            probe.before_compress(_Probe("runtime"), [[0, 1]], [0])
     except _Read as e:
         return e.args[0]
     except Exception:  # a hook that fails without its real arguments does something with them
-        return "session" if hook == "before_compress" else "model"
+        return "runtime" if hook == "before_compress" else "model"
     return None
 
 

@@ -40,16 +40,16 @@ def greedy(model, prompt: list[int], method, tokens: int, top: int = 5) -> dict:
     whole by `method` right after its prefill (kvmerge's question-aware protocol, empty question)."""
     from kvmerge import Session
 
-    session = Session(model, 1, method)
-    logits = session.prefill([list(prompt)], window=method.window)
-    session.reserve(tokens)
+    runtime = Session(model, 1, method)
+    logits = runtime.prefill([list(prompt)], window=method.window)
+    runtime.reserve(tokens)
     ids, tops = [], []
     for _ in range(tokens):
         logp = torch.log_softmax(logits[0].float(), -1)
         best = logp.topk(top)
         tops.append([[int(i), float(v)] for i, v in zip(best.indices, best.values)])
         ids.append(int(best.indices[0]))
-        logits = session.forward([[ids[-1]]])
+        logits = runtime.forward([[ids[-1]]])
     return {"tokens": ids, "top": tops}
 
 

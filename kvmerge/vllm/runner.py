@@ -9,6 +9,8 @@ from its first kept block (`Layout.freed`), with that many blocks' tokens fewer.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -67,7 +69,8 @@ class KvmergeCPURunner(CPUModelRunner):
         return StepPlan(shift if bool(shift.any()) else None, tuple(prompts))
 
     def _build_attention_metadata(self, *args, **kwargs):
-        plan = self.kvmerge_plan(kwargs.get("num_reqs", 0), kwargs.get("num_scheduled_tokens"))
+        bound = inspect.signature(CPUModelRunner._build_attention_metadata).bind(self, *args, **kwargs).arguments
+        plan = self.kvmerge_plan(bound["num_reqs"], bound.get("num_scheduled_tokens"))
         for group in self.attn_groups[0] if self.attn_groups else ():
             for builder in group.metadata_builders:
                 if isinstance(builder, KvmergeCPUBuilder):

@@ -25,7 +25,8 @@ class KvmergeScheduler(Scheduler):
     """vLLM's scheduler freeing the blocks each compression releases. `kvmerge_stats`: per compressed
     request (the latest `STATS_KEPT`), its last layout, the blocks it held (non-null) right after the
     release, the pool's usage then, and how many times it was compressed (more than once when vLLM
-    preempted and recomputed it); `kvmerge_peak_running`: the most requests running at once."""
+    preempted and recomputed it); `kvmerge_peak_running`: the most requests running at once;
+    `kvmerge_peak_prompts`: the most prompts compressed in one step."""
 
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
@@ -38,6 +39,7 @@ class KvmergeScheduler(Scheduler):
         self.kvmerge_prefilling: dict[str, int] = {}
         self.kvmerge_stats: dict[str, dict] = {}
         self.kvmerge_peak_running = 0
+        self.kvmerge_peak_prompts = 0
 
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
@@ -51,11 +53,13 @@ class KvmergeScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         out = super().update_from_output(scheduler_output, model_runner_output)
         manager = self.kv_cache_manager.coordinator.single_type_managers[0]
+        prompts = 0
         for req_id in scheduler_output.num_scheduled_tokens:
             n = self.kvmerge_prefilling.pop(req_id, None)
             if n is None or req_id not in manager.req_to_blocks:  # not a prefill, or finished already
                 continue
             lay = layout(self.kvmerge_method, n, self.kvmerge_block_size)
+            prompts += 1
             if lay.freed:
                 manager._remove_blocks_in_range(req_id, 0, lay.freed)
             blocks = manager.req_to_blocks[req_id]
@@ -69,4 +73,5 @@ class KvmergeScheduler(Scheduler):
                         "freed, %d held", req_id, lay.prompt, lay.kept, lay.freed, held)
             if len(self.kvmerge_stats) > STATS_KEPT:
                 self.kvmerge_stats.pop(next(iter(self.kvmerge_stats)))
+        self.kvmerge_peak_prompts = max(self.kvmerge_peak_prompts, prompts)
         return out
