@@ -251,27 +251,30 @@ class Session:
                     [token_rows[int(b)][len(token_rows[int(b)]) - fresh:] for b in rows], device=kv.keys.device),
                 surprisal=None if surprisal is None else surprisal[rows][:, -fresh:].to(kv.keys.device))
 
-        if getattr(method, "alloc", "uniform") != "uniform":
-            self._allocate_globally(method, layers, states, context, target, window, running, dense)
-        for i, (layer, state) in enumerate(zip(layers, states)):
-            state.targets = torch.zeros(layer.keys.shape[0], dtype=torch.long)
-            state.scaling = scaling
+        try:
+            if getattr(method, "alloc", "uniform") != "uniform":
+                self._allocate_globally(method, layers, states, context, target, window, running, dense)
+            for i, (layer, state) in enumerate(zip(layers, states)):
+                state.targets = torch.zeros(layer.keys.shape[0], dtype=torch.long)
+                state.scaling = scaling
 
-            def run(kv, rows, i=i, state=state):
-                n = kv.slots
-                ctx = context(i, kv, rows, state)
-                counts = state.scratch.get("_alloc_counts")
-                keep = method.layer_target(ctx) if counts is None else int(counts.max())
-                state.targets[rows] = keep
-                smaller = keep < n if counts is None else bool((counts < n).any())
-                compressed[rows] |= smaller
-                return method.compress(*kv, ctx) if smaller and n else kv
+                def run(kv, rows, i=i, state=state):
+                    n = kv.slots
+                    ctx = context(i, kv, rows, state)
+                    counts = state.scratch.get("_alloc_counts")
+                    keep = method.layer_target(ctx) if counts is None else int(counts.max())
+                    state.targets[rows] = keep
+                    smaller = keep < n if counts is None else bool((counts < n).any())
+                    compressed[rows] |= smaller
+                    return method.compress(*kv, ctx) if smaller and n else kv
 
-            layer.map_rows(run)
-            state.compressed_at = layer.seen
+                layer.map_rows(run)
+                state.compressed_at = layer.seen
+        finally:  # global allocation's per-layer counts and scores never outlive this call
+            for state in states:
+                state.scratch.pop("_alloc_counts", None), state.scratch.pop("_alloc_scores", None)
         for state in self.states:
             state.queries = None
-            state.scratch.pop("_alloc_counts", None), state.scratch.pop("_alloc_scores", None)
         self.captured.zero_()
         self.memo = {}
         self.plain = torch.where(compressed, self.plain.clamp(max=window), self.plain)  # the window stays plain

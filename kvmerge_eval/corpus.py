@@ -40,7 +40,8 @@ def genre_text(genre: str) -> str:
     """Text of one genre, paragraphs separated by blank lines, all shipped with the system or Python:
     `docs` Python's language reference; `legal` the licence texts in /usr/share/common-licenses and
     Python's own LICENSE.txt; `code` standard-library source; `table` rows of the Unicode database;
-    `dialogue` two speakers' alternating turns made of the language reference's sentences (a
+    `legal` depends on the licences the system ships (Debian's base-files: the same on every machine
+    of one image); `dialogue` two speakers' alternating turns made of the language reference's sentences (a
     dialogue's form, not its content: no dialogue corpus ships with the system)."""
     if genre == "docs":
         return prose()

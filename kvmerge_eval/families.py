@@ -3,7 +3,7 @@ register (no "special magic", no answer prefix) and asks by a paraphrase, on hay
 (`docs`: Python's language reference; `legal`: the licence texts every Debian system ships).
 
 Each generator: (tokenizer, n_tokens, seed, genre) → `Sample`, `meta["task"]` = "<family>/<genre>";
-answers are lists scored like RULER (the fraction found in the prediction). Families:
+answers are lists, scored by the fraction found in the prediction as whole words (`score`). Families:
 
 * `own_words`: one number stated mid-sentence in the genre's words, asked by a paraphrase;
   keys are names the genre uses itself (standard-library modules in the docs, section numbers in the

@@ -27,6 +27,8 @@ MAX_NEW = {"niah": 24, "ruler": 48, "code": 32, "family": 32}
 def build_samples(task: str, tok, lengths, samples: int, text=None, subtasks=None) -> list:
     """Every sample of `task` for each length: `samples` per length (per RULER subtask or family).
     With a genre as `text` (corpus.GENRES) the rows' task is `<task>/<genre>`, apart from prose's."""
+    if text in ("table", "code") and task != "fidelity":
+        raise ValueError(f"the {text!r} genre has no sentences to hide facts among: use it with the fidelity task")
     out = _samples(task, tok, lengths, samples, text, subtasks)
     if text in GENRES and task != "family":  # families name their genre themselves
         for s in out:
@@ -56,8 +58,8 @@ def _samples(task, tok, lengths, samples, text, subtasks) -> list:
 
 
 def run_key(method, budget, meta) -> tuple:
-    """What identifies one run in a results file: (method, budget, task, length, seed)."""
-    return (method, float(budget), meta.get("task", "niah"), meta["length"], meta["seed"])
+    """What identifies one run in a results file: (method, budget, task, length, seed, needle depth)."""
+    return (method, float(budget), meta.get("task", "niah"), meta["length"], meta["seed"], meta.get("depth"))
 
 
 def run(task, model, tok, methods, budgets, lengths, samples, out_dir, protocol="agnostic", text=None,

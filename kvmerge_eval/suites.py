@@ -138,7 +138,9 @@ def run_suite(suite: Suite, models=None, root="results", load_model=None) -> Non
 
 def columns(run: Run) -> list[tuple]:
     """(column name, task name in the rows, length, budget) of one run: subtask × length × budget."""
-    tasks = run.subtasks or [run.task]
+    from . import families, ruler
+
+    tasks = run.subtasks or {"ruler": list(ruler.TASKS), "family": list(families.TASKS)}.get(run.task, [run.task])
     if run.task == "family":  # rows name the haystack's genre: <family>/<genre>
         tasks = [f"{t}/{run.text or 'docs'}" for t in tasks]
     elif run.text in GENRES:
@@ -167,8 +169,8 @@ def header(suite: Suite, model: str, budgets=None) -> list[str]:
 def table(suite: Suite, model: str, rows_raw: list[dict], budgets=None) -> str:
     """One model's markdown table: a row per method label, a column per (run, subtask, length, budget)."""
     labels = list(dict.fromkeys(m for r in suite.runs if model in r.models for m in r.labels()))
-    # a run found twice counts once (a needle's depth depends on its run's sample count: in the key)
-    raw = list({run_key(r["method"], r["budget"], r) + (r.get("depth"),): r for r in rows_raw}.values())
+    # a run found twice counts once
+    raw = list({run_key(r["method"], r["budget"], r): r for r in rows_raw}.values())
     rows = summarize([r for r in raw if r["method"] in labels])
     cell = {(r["task"], r["method"], r["budget"], r["length"]): r for r in rows}
     cols = _columns(suite, model, budgets)

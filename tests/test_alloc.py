@@ -53,7 +53,8 @@ def test_top_slots_per_head_keeps_each_heads_own_top_entries_in_order():
     for b in range(2):
         for j in range(3):
             kept = idx[b, j][~filler[b, j]].tolist()
-            assert kept == sorted(kept) and len(kept) == counts[b, j]
+            assert idx[b, j].tolist() == sorted(idx[b, j].tolist()) and len(kept) == counts[b, j]
+            assert idx[b, j, -3:].tolist() == [27, 28, 29] and not filler[b, j, -3:].any()  # the window last
             rest = sorted(range(2, 27), key=lambda i: -float(scores[b, j, i]))[:counts[b, j] - 5]
             assert set(kept) == {0, 1, 27, 28, 29} | set(rest)
 

@@ -234,5 +234,7 @@ def test_runner_runs_a_family_and_keeps_genres_apart(tmp_path):
     assert sorted(r["task"] for r in rows) == ["own_words/docs", "own_words/legal"]
     kl = json.loads((tmp_path / "fidelity_summary.json").read_text())
     assert sorted(r["task"] for r in kl) == ["fidelity/docs", "fidelity/legal"] and all(abs(r["kl"]) < 1e-5 for r in kl)
+    with pytest.raises(ValueError, match="'table' genre has no sentences"):
+        run("niah", model, tok, ["full"], [0.5], [300], 1, tmp_path, text="table")
     with pytest.raises(ValueError, match="unknown family 'nope'"):
         run("family", model, tok, ["full"], [0.5], [300], 1, tmp_path, subtasks=["nope"])

@@ -143,7 +143,8 @@ class ScoringMethod(Method):
 
     `alloc`: how the budget is spread. "uniform": the same count in every layer and head. "layer": the
     entries go to the highest scores over all layers and heads together (KVzip's and AdaKV's global
-    selection), then each layer's share is evened out over its heads (no padding). "head": each
+    selection), then each layer's share is evened out over its heads (no padding within a row; rows of
+    a batch may differ, and shorter rows are padded). "head": each
     (layer, head) keeps its own count; a layer's heads are padded to its largest count with empty
     slots (log-mass -inf, no attention), which are real memory and counted in the cache's bytes.
     Global allocation needs a one-shot compression of rows without padding."""

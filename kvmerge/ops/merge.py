@@ -106,7 +106,8 @@ def fold_values(keys, values, idx, similarity_threshold: float = 0.0, merge_frac
     An evicted slot e with best cosine c_e to kept slot k weighs w_e = max(c_e, 0)·‖v_e‖ / (‖v_e‖ +
     ‖v_k‖ + eps) when c_e ≥ `similarity_threshold` and (if `merge_fraction` < 1) c_e is at least the
     head's (1 − merge_fraction)-quantile of its evicted slots' c (those under the threshold counted as
-    −inf), else 0. Invariant: v_k ← (v_k + Σ_{e→k} w_e v_e) / (1 + Σ_{e→k} w_e), accumulated in float32;
+    −inf; as in kvpress, a quantile that falls between −inf and a finite value is NaN and that head
+    then folds nothing), else 0. Invariant: v_k ← (v_k + Σ_{e→k} w_e v_e) / (1 + Σ_{e→k} w_e), accumulated in float32;
     a kept slot that receives no weight keeps its value bit for bit.
     """
     b, h, s, d = values.shape

@@ -168,12 +168,13 @@ def global_counts(scores: list[torch.Tensor], target: int, sinks: int, window: i
 
 def top_slots_per_head(scores: torch.Tensor, counts: torch.Tensor, sinks: int, window: int):
     """Each head keeps its own number of slots: scores `(b, h, s)`, counts `(b, h)` → (idx `(b, h, W)` in
-    order, W the largest count; `filler` `(b, h, W)` bool: slots past a head's count, to be marked empty)."""
+    position order, W the largest count; `filler` `(b, h, W)` bool: slots beyond a head's count, to be
+    marked empty). Protected slots are always kept, so the last `window` slots stay the recent window."""
     s = scores.shape[-1]
     value = fill_protected(scores, sinks, window, float("inf"))
     order = torch.argsort(value, dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(s, device=order.device).expand_as(order).contiguous())
     keep = rank < counts[..., None]
     pos = torch.arange(s, device=scores.device).expand_as(order)
-    idx = torch.where(keep, pos, pos + s).argsort(-1)[..., :int(counts.max())]
+    idx = torch.where(keep, pos, pos + s).argsort(-1)[..., :int(counts.max())].sort(-1).values
     return idx, ~keep.gather(-1, idx)
