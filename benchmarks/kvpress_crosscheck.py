@@ -350,7 +350,8 @@ def kvmerge_kept(model, tok, ids: list[int], specs: list[str], budget=BUDGET, sc
                         else ~torch.isinf(layer.log_n[0]).cpu())
                 kept.append([sorted(row[m].tolist()) for row, m in zip(idx.cpu(), live)])
                 for h, (row, m) in enumerate(zip(idx, live)):  # the capture checked on the compressed cache
-                    assert torch.equal(layer.keys[0, h, :int(m.sum())], full[i][h, row[m.to(row.device)]]), (spec, i, h)
+                    m = m.to(row.device)
+                    assert torch.equal(layer.keys[0, h, :len(row)][m], full[i][h, row[m]]), (spec, i, h)
             out[spec] = kept
             if values is not None:
                 values[spec] = [session.cache.layers[i].values[0].clone() for i in session.cache.compressible]
