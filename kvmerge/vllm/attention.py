@@ -9,14 +9,16 @@ log_n = 0; an empty slot has `EMPTY_LOG_N` (its weight exp(−1000) is 0 in floa
 `KvmergeCPUBackend` is registered as `CPU_ATTN` in the workers when the plugin is on (vLLM looks the
 backend up by that name). Its builder reads the step's `StepPlan` (set by the runner): compressed
 requests attend to their block table from their first kept block on, with that many fewer tokens,
-and prompts whose prefill ends in this step are compressed by the impl right after their attention.
+and prompts whose prefill ends in this step are compressed by the impl right after their attention
+(or, for methods that need each token's surprisal, by the runner once the last layer is done).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from vllm.model_executor.models.utils import extract_layer_index
@@ -75,18 +77,21 @@ class Prompt:
 @dataclass(frozen=True)
 class StepPlan:
     """What the runner tells the attention about one step: `shift` `(num_reqs,)` tokens each row's
-    attention skips (its freed blocks × block size; 0 for rows not compressed or prefilling now) and
-    the `prompts` to compress after this step's attention."""
+    attention skips (its freed blocks × block size; 0 for rows not compressed or prefilling now), the
+    `prompts` to compress after this step's attention, and `deferred`: (prompt, compress(surprisal))
+    per prompt and layer whose compression waits for the logits (methods that need each token's
+    surprisal), filled by the attention and run by the runner after the last layer."""
 
     shift: torch.Tensor | None
     prompts: tuple[Prompt, ...] = ()
+    deferred: list = field(default_factory=list)
 
 
 @dataclass
 class KvmergeMetadata(CPUAttentionMetadata):
-    """CPU_ATTN's metadata plus the prompts to compress in this step."""
+    """CPU_ATTN's metadata plus the step's plan (None: nothing to compress or shift)."""
 
-    prompts: tuple[Prompt, ...] = ()
+    plan: StepPlan | None = None
 
 
 class KvmergeCPUBuilder(CPUAttentionMetadataBuilder):
@@ -104,7 +109,7 @@ class KvmergeCPUBuilder(CPUAttentionMetadataBuilder):
             cm = dataclasses.replace(cm, block_table_tensor=table, seq_lens=lens)
         meta = super().build(common_prefix_len, cm, fast_build)
         fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
-        return KvmergeMetadata(**fields, prompts=() if plan is None else plan.prompts)
+        return KvmergeMetadata(**fields, plan=plan)
 
 
 class KvmergeCPUImpl(CPUAttentionBackendImpl):
@@ -133,20 +138,29 @@ class KvmergeCPUImpl(CPUAttentionBackendImpl):
         super().forward(layer, channel_query(query, size), key, value, kv_cache, attn_metadata, wide,
                         output_scale, output_block_scale)
         output[:n] = wide[:n, :, :self.head_size]
-        for prompt in getattr(attn_metadata, "prompts", ()):
-            self._compress(layer, prompt, query, key, value, kv_cache, attn_metadata.slot_mapping, size)
+        plan = getattr(attn_metadata, "plan", None)
+        for prompt in () if plan is None else plan.prompts:
+            span = slice(prompt.start, prompt.start + prompt.layout.prompt)
+            q, k, v, slots = query[span], key[span], value[span], attn_metadata.slot_mapping[span]
+            if not self.method.needs_surprisal:
+                self._compress(layer, prompt, q, k, v, kv_cache, slots, size)
+                continue
+            # the logits exist only after the last layer: keep this layer's inputs (the queries it reads) till then
+            window = self.method.query_window
+            q = q if window < 0 else q[max(q.shape[0] - window, 0):]
+            plan.deferred.append((prompt, functools.partial(self._compress, layer, prompt, q.clone(), k.clone(),
+                                                            v.clone(), kv_cache, slots.clone(), size)))
         return output
 
-    def _compress(self, layer, prompt: Prompt, query, key, value, kv_cache, slot_mapping, size) -> None:
-        """Compress one prompt's entries of this layer and write them into its slots [start, P)."""
+    def _compress(self, layer, prompt: Prompt, query, key, value, kv_cache, slots, size, surprisal=None) -> None:
+        """Compress one prompt's entries of this layer (its queries (the method's window or all), keys and
+        values, `slots` `(P,)`) and write them into its slots [start, P)."""
         start = time.perf_counter()
-        lay, t0 = prompt.layout, prompt.start
-        span = slice(t0, t0 + lay.prompt)
-        kv = compress_prompt(self.method, extract_layer_index(layer.layer_name), self.num_layers, query[span],
-                             key[span], value[span], prompt.token_ids, self.scale, lay.kept)
+        lay = prompt.layout
+        kv = compress_prompt(self.method, extract_layer_index(layer.layer_name), self.num_layers, query, key, value,
+                             prompt.token_ids, self.scale, lay.kept, surprisal)
         keys, values = paged_entries(kv, lay, self.scale, size, key.dtype)
-        slots = slot_mapping[t0 + lay.start:t0 + lay.prompt]
-        CPUAttentionBackendImpl.do_kv_cache_update(self, layer, keys, values, kv_cache, slots)
+        CPUAttentionBackendImpl.do_kv_cache_update(self, layer, keys, values, kv_cache, slots[lay.start:])
         STATS["compress_seconds"] += time.perf_counter() - start
         STATS["compressed_layers"] += 1
 

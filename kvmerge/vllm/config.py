@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
 
 from ..methods import LayerContext, Method, method_from_spec
 
@@ -86,13 +89,38 @@ class _Probe:
         raise _Read(self.what)
 
 
+class _UnitRotary:
+    """A rotary embedding's interface (cos, sin `(1, n, 2)` for position ids `(1, n)`), rotating nothing."""
+
+    def forward(self, x, position_ids):
+        n = position_ids.shape[-1]
+        return torch.ones(1, n, 2), torch.zeros(1, n, 2)
+
+    __call__ = forward
+
+
+class _RotaryProbe(_Probe):
+    """Stands for the transformers model where the plugin offers a stand-in (`compress.ModelStandIn`):
+    its decoder's rotary embedding and a parameter may be read; anything else raises `_Read("model")`."""
+
+    def __init__(self):
+        super().__init__("model")
+
+    def get_decoder(self):
+        return SimpleNamespace(rotary_emb=_UnitRotary())
+
+    def parameters(self):
+        return iter([torch.zeros(1)])
+
+
 def hook_reads(method: Method, hook: str) -> str | None:
     """What `method.setup(model, tokenizer)` or `method.before_compress(runtime, ...)` reads first
-    ("model", "tokenizer", "runtime"), tried on a copy with `_Probe`s; None: nothing."""
+    ("model", "tokenizer", "runtime"), tried on a copy with `_Probe`s; None: nothing. A setup that
+    reads only the model's rotary embedding (what the plugin's stand-in offers) is not "model"."""
     probe = copy.deepcopy(method)
     try:
         if hook == "setup":
-            probe.setup(_Probe("model"), _Probe("tokenizer"))
+            probe.setup(_RotaryProbe(), _Probe("tokenizer"))
         else:
             probe.before_compress(_Probe("runtime"), [[0, 1]], [0])
     except _Read as e:
@@ -116,15 +144,12 @@ def _per_layer_budgets(method: Method) -> bool:
 
 def refusal(method: Method) -> str | None:
     """Why the plugin cannot run `method` yet (None: it can). The plugin compresses each prompt once,
-    inside each layer's attention, right after the prompt's prefill, with one slot count for every
-    layer and head; a method that needs more than that layer's queries, keys, values and the prompt's
-    token ids (and the tokenizer) is refused, by what it needs. Found by probing the method's hooks,
+    after the prompt's prefill (inside each layer's attention, or after the last layer for methods
+    that need each token's surprisal), with one slot count for every layer and head; a method that
+    needs more than that layer's queries, keys, values, the prompt's token ids and surprisal, the
+    tokenizer and the rotary embedding is refused, by what it needs. Found by probing the method's hooks,
     so composites (evictmerge's base, ...) are judged by their parts."""
     name = method.name
-    if method.needs_surprisal:
-        return (f"{name} needs each prompt token's surprisal, i.e. the logits at every prompt position; vLLM computes "
-                "them only after the last layer (and only for prompt logprobs), and the plugin compresses inside "
-                "each layer's attention (it would have to keep every layer's prompt K/V until the logits exist)")
     if method.has_decode_policy:
         return (f"{name} changes the cache while decoding (a decode-time policy); the plugin compresses once, "
                 "after the prefill, and vLLM's blocks of decoded tokens are not rewritten")
@@ -139,8 +164,8 @@ def refusal(method: Method) -> str | None:
         return (f"{name} runs another forward pass over the prompt before compressing (e.g. KVzip's reconstruction); "
                 "the plugin compresses inside one forward and has no second pass")
     if hook_reads(method, "setup") == "model":
-        return (f"{name} reads the transformers model in setup (e.g. Expected Attention's rotary embedding, to undo "
-                "RoPE on the queries); vLLM's workers hold vLLM's model, not a transformers one")
+        return (f"{name} reads the transformers model in setup beyond its rotary embedding (what the plugin's "
+                "stand-in offers); vLLM's workers hold vLLM's model, not a transformers one")
     return None
 
 

@@ -35,12 +35,12 @@ def niah_prompts(tokenizer, samples: int, length: int, seed: int = 0) -> list[di
 
 
 @torch.inference_mode()
-def greedy(model, prompt: list[int], method, tokens: int, top: int = 5) -> dict:
+def greedy(model, prompt: list[int], method, tokens: int, top: int = 5, tokenizer=None) -> dict:
     """{"tokens": greedy ids, "top": per step [[id, logprob], ...] best first} for one prompt compressed
     whole by `method` right after its prefill (kvmerge's question-aware protocol, empty question)."""
     from kvmerge import Session
 
-    runtime = Session(model, 1, method)
+    runtime = Session(model, 1, method, tokenizer=tokenizer)
     logits = runtime.prefill([list(prompt)], window=method.window)
     runtime.reserve(tokens)
     ids, tops = [], []
@@ -73,7 +73,7 @@ def main(argv=None) -> None:
         return
     prompts = json.load(sys.stdin)
     method = kvmerge.method_from_spec(args.method, args.budget)
-    json.dump([greedy(model, p["ids"], method, args.tokens) for p in prompts], sys.stdout)
+    json.dump([greedy(model, p["ids"], method, args.tokens, tokenizer=tok) for p in prompts], sys.stdout)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,15 @@ from its first kept block (`Layout.freed`), with that many blocks' tokens fewer.
 from __future__ import annotations
 
 import inspect
+import time
 
 import torch
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from .attention import KvmergeCPUBuilder, Prompt, StepPlan
-from .compress import worker_method
+from .attention import STATS, KvmergeCPUBuilder, Prompt, StepPlan
+from .compress import ModelStandIn, prompt_surprisal, worker_method
 from .config import layout
 
 BACKEND = "kvmerge.vllm.attention.KvmergeCPUBackend"
@@ -32,6 +33,35 @@ class KvmergeCPURunner(CPUModelRunner):
     def kvmerge_start(self) -> None:
         self.kvmerge_method = worker_method(self.vllm_config)
         self.kvmerge_freed = {}
+        self.kvmerge_step: StepPlan | None = None
+        self.kvmerge_stand_in: ModelStandIn | None = None
+
+    def _model_forward(self, *args, **kwargs):
+        """vLLM's forward, then the step's deferred compressions, given each prompt's surprisal from the
+        final hidden states (methods that need it; their layers' inputs were kept by the attention)."""
+        out = super()._model_forward(*args, **kwargs)
+        plan, self.kvmerge_step = self.kvmerge_step, None
+        if plan is not None and plan.deferred:
+            start = time.perf_counter()
+            hidden = out[0] if isinstance(out, tuple) else out
+            surprisal = {p.row: prompt_surprisal(self._stand_in(), hidden[p.start:p.start + p.layout.prompt],
+                                                 p.token_ids) for p in plan.prompts}
+            STATS["compress_seconds"] += time.perf_counter() - start
+            for prompt, compress in plan.deferred:
+                compress(surprisal=surprisal[prompt.row])
+            plan.deferred.clear()
+        return out
+
+    def _stand_in(self) -> ModelStandIn:
+        """The stand-in model whose LM head gives the surprisal: vLLM's LM head weight, first vocab_size rows."""
+        if self.kvmerge_stand_in is None:
+            config = self.vllm_config.model_config.hf_text_config
+            head = getattr(self.get_model(), "lm_head", None)
+            if getattr(head, "weight", None) is None:
+                raise ValueError(f"kvmerge: {self.kvmerge_method.name} needs each token's surprisal, and the model "
+                                 "has no LM head weight (lm_head.weight) to compute it from")
+            self.kvmerge_stand_in = ModelStandIn(config, head.weight[:config.vocab_size])
+        return self.kvmerge_stand_in
 
     def _block_size(self) -> int:
         groups = self.kv_cache_config.kv_cache_groups
@@ -70,7 +100,7 @@ class KvmergeCPURunner(CPUModelRunner):
 
     def _build_attention_metadata(self, *args, **kwargs):
         bound = inspect.signature(CPUModelRunner._build_attention_metadata).bind(self, *args, **kwargs).arguments
-        plan = self.kvmerge_plan(bound["num_reqs"], bound.get("num_scheduled_tokens"))
+        plan = self.kvmerge_step = self.kvmerge_plan(bound["num_reqs"], bound.get("num_scheduled_tokens"))
         for group in self.attn_groups[0] if self.attn_groups else ():
             for builder in group.metadata_builders:
                 if isinstance(builder, KvmergeCPUBuilder):
