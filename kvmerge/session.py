@@ -207,6 +207,7 @@ class Session:
         surprisal = token_surprisal(self.model, hidden, ids)
         return surprisal.masked_fill(pad | torch.nn.functional.pad(pad, (1, 0), value=True)[:, :-1], 0.0)
 
+    @torch.no_grad()
     def compress(self, token_rows: list[list[int]] | None = None, window: int | None = None,
                  surprisal: torch.Tensor | None = None, running: bool = False) -> None:
         """Compress every layer with the session's method (at most `method.target(n)` entries per row
@@ -285,9 +286,12 @@ class Session:
         (`ScoringMethod.alloc`): each layer's counts `(b, h)` and scores go to its state's scratch."""
         from .methods import ScoringMethod
 
-        if type(method).compress is not ScoringMethod.compress or type(method).layer_target is not Method.layer_target:
+        merges = getattr(type(method), "alloc_aware", False)  # evictmerge: its base's selection, then merges
+        selects = type(method).compress is ScoringMethod.compress or merges
+        if not selects or type(method.base if merges else method).layer_target is not Method.layer_target:
             raise ValueError(f"{method.name}: alloc={method.alloc!r} applies to methods that keep their highest-scored "
-                             "entries and nothing else; this one merges, or sets its own per-layer budgets")
+                             "entries (and evictmerge, which merges the rest into them); this one compresses "
+                             "otherwise, or sets its own per-layer budgets")
         if running or not dense or method.has_decode_policy:
             raise ValueError(f"{method.name}: alloc={method.alloc!r} spreads one budget over every layer at once, "
                              "so it needs a one-shot compression (no prefill_chunk) of rows without padding (one "

@@ -60,14 +60,15 @@ def test_top_slots_per_head_keeps_each_heads_own_top_entries_in_order():
 
 
 def _compressed(model, spec, n=160):
-    method = kvmerge.method_from_spec(spec, 0.25)
+    method = kvmerge.method_from_spec(spec, 0.25) if isinstance(spec, str) else spec
     session = Session(model, 1, method, TinyTokenizer())
     logits = session.prefill([random_ids(n, seed=3)], method.window)
     return method, session, logits
 
 
 @pytest.mark.parametrize("spec", ["snapkv:alloc=head:window=8", "kvzip:alloc=head:window=8:chunk=64",
-                                  "expected_attention:alloc=head:window=8"])
+                                  "expected_attention:alloc=head:window=8",
+                                  "evictmerge:base=kvzip:alloc=head:recent=0:window=8"])
 def test_per_head_allocation_meets_the_budget_and_its_padding_gets_no_attention(spec):
     model = tiny_model(num_hidden_layers=3)
     method, session, _ = _compressed(model, spec)
@@ -113,7 +114,9 @@ def test_global_allocation_greedy_generation_runs_and_refuses_what_it_cannot_do(
     with pytest.raises(ValueError, match="rows without padding"):
         kvmerge.generate_ids(model, [random_ids(160, seed=1), random_ids(120, seed=2)], [[3], [4]],
                              kvmerge.get_method("snapkv", alloc="head", window=8), max_new_tokens=2)
-    for spec in ("evictmerge:alloc=head", "pyramidkv:alloc=layer"):  # merging, or budgets of its own
+    with pytest.raises(ValueError, match="set recent=0 and exact=0"):  # a fixed per-head share bypasses alloc
+        kvmerge.method_from_spec("evictmerge:alloc=head", 0.25)
+    for spec in ("mergingpress:alloc=head", "pyramidkv:alloc=layer"):  # merging otherwise, or budgets of its own
         with pytest.raises(ValueError, match="applies to methods that keep their highest-scored"):
             kvmerge.generate_ids(model, random_ids(160, seed=1), [3], kvmerge.method_from_spec(spec + ":window=8", 0.25),
                                  max_new_tokens=2)
@@ -122,3 +125,27 @@ def test_global_allocation_greedy_generation_runs_and_refuses_what_it_cannot_do(
             kvmerge.get_method(name, base=kvmerge.get_method("snapkv", alloc="head"))
     with pytest.raises(ValueError, match="alloc must be one of uniform, layer, head"):
         kvmerge.method_from_spec("snapkv:alloc=global", 0.25)
+
+
+def test_merging_with_per_head_allocation_keeps_the_same_picks_and_conserves_mass():
+    """evictmerge with alloc=head keeps exactly the entries its base keeps with alloc=head (calibrated
+    merging leaves kept keys as they are; only values and log-mass change), and with count weights every
+    head's live slots hold all 160 tokens' mass (each evicted token joined a kept entry)."""
+    model = tiny_model(num_hidden_layers=3)
+    def merging(**kw):
+        return kvmerge.get_method("evictmerge", budget=0.25, base=kvmerge.get_method("kvzip", window=8, chunk=64),
+                                  alloc="head", recent=0.0, window=8, **kw)
+
+    _, picked, _ = _compressed(model, "kvzip:alloc=head:window=8:chunk=64")
+    _, merged, _ = _compressed(model, merging())
+    _, counted, _ = _compressed(model, merging(calibrate=False))
+    changed = 0
+    for i in picked.cache.compressible:
+        a, b, c = picked.cache.layers[i], merged.cache.layers[i], counted.cache.layers[i]
+        live = ~torch.isinf(a.full_log_n())
+        assert torch.equal(live, ~torch.isinf(b.full_log_n())) and torch.equal(live, ~torch.isinf(c.full_log_n()))
+        assert torch.equal(a.keys[live], b.keys[live])  # the same picks, in the same slots
+        changed += int((a.values[live] != b.values[live]).any(-1).sum())
+        mass = c.full_log_n().exp().sum(-1)  # (b, h): empty slots add exp(-inf) = 0
+        torch.testing.assert_close(mass, torch.full_like(mass, 160.0))
+    assert changed  # and merging did change values

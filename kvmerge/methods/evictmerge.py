@@ -1,11 +1,12 @@
 """Merge instead of evict (kvmerge's own): any scoring eviction method turned into a merging one."""
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from ..ops.merge import merge_into_kept
-from ..ops.scores import fill_protected, received_attention, top_slots
+from ..ops.scores import fill_protected, received_attention, top_slots, top_slots_per_head
 from .base import ScoringMethod
 from .expected_attention import ExpectedAttention
 from .registry import register
@@ -31,7 +32,11 @@ class EvictMerge(ScoringMethod):
     `exact`: this fraction of the budget is picked first by `exact_by`'s scores (outside sinks and
     window) and absorbs nothing; `whole`: the exact share's last pick is completed (all entries
     scoring as it does, e.g. its whole sentence) when there is room.
+    `alloc` ("layer", "head"; needs recent=0, exact=0): the kept entries are chosen by global
+    allocation over every layer and head (`ScoringMethod`), then the rest merge into them as above;
+    a head's padding slots absorb nothing and stay empty.
     """
+    alloc_aware: ClassVar[bool] = True
 
     base: ScoringMethod = field(default_factory=SnapKV)
     min_cosine: float = -1.0
@@ -59,7 +64,11 @@ class EvictMerge(ScoringMethod):
                                 f"got {type(getattr(self, part)).__name__}")
             if getattr(getattr(self, part), "alloc", "uniform") != "uniform":
                 raise ValueError(f"{self.name} uses its {part}'s scores, not its selection: {part}'s "
-                                 f"alloc={getattr(self, part).alloc!r} would be ignored")
+                                 f"alloc={getattr(self, part).alloc!r} would be ignored; set {self.name}'s own alloc")
+        if self.alloc != "uniform" and (self.exact > 0 or self.recent > 0):
+            raise ValueError(f"{self.name}: alloc={self.alloc!r} spends the whole budget by {self.name}'s scores over "
+                             f"every layer and head; a fixed recent share (recent={self.recent}) or exact share "
+                             f"(exact={self.exact}) per head would bypass it: set recent=0 and exact=0")
 
     def _parts(self):
         parts = [self.base] + ([self.exact_by] if self.exact > 0 else [])
@@ -102,6 +111,13 @@ class EvictMerge(ScoringMethod):
         return torch.where(tied.sum(-1, keepdim=True) <= room, tied, exact)
 
     def compress(self, keys, values, log_n, ctx):
+        scratch = ctx.state.scratch if ctx.state is not None else {}
+        if "_alloc_counts" in scratch:  # global allocation: each head keeps its own count, padded to the widest
+            idx, empty = top_slots_per_head(scratch["_alloc_scores"], scratch["_alloc_counts"], ctx.sinks, ctx.window)
+            for part in self._parts():
+                part.selected(idx, ctx)
+            return merge_into_kept(keys, values, log_n, idx, self.min_cosine, min(ctx.sinks, idx.shape[-1]),
+                                   self._weights(keys, log_n, ctx), empty)
         target = self.layer_target(ctx)
         window = max(ctx.window, round(self.recent * target))
         attention = self._expected.probabilities(keys, log_n, ctx) if self._expected is not None else None
@@ -116,5 +132,13 @@ class EvictMerge(ScoringMethod):
         for part in self._parts():
             part.selected(idx, ctx)
         if self.calibrate and attention is None:
-            attention = received_attention(ctx.queries[:, :, -self.obs_window:], keys, ctx.scaling, log_n)
+            attention = self._weights(keys, log_n, ctx)
         return merge_into_kept(keys, values, log_n, idx, self.min_cosine, protect, attention)
+
+    def _weights(self, keys, log_n, ctx):
+        """Calibrated merging's per-slot weights `(b, h, s)` (None: count weights)."""
+        if not self.calibrate:
+            return None
+        if self._expected is not None:
+            return self._expected.probabilities(keys, log_n, ctx)
+        return received_attention(ctx.queries[:, :, -self.obs_window:], keys, ctx.scaling, log_n)

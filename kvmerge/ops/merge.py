@@ -69,7 +69,7 @@ def nearest_kept(keys, idx, protect=0, chunk: int = 1024):
     return best, partner
 
 
-def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, protect=0, attention=None):
+def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, protect=0, attention=None, empty=None):
     """Every slot not in `idx` `(b, h, t)` joins its most key-similar kept slot when their cosine is
     ≥ `floor` (else it is dropped); kept slots in `protect` (the first `protect` if an int, else a
     `(b, h, t)` bool mask) absorb nothing. Kept slots become degree-weighted means of keys and values
@@ -77,21 +77,34 @@ def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, protect=0, at
 
     With `attention` `(b, h, s)` (observed attention per slot) the merge is attention-calibrated
     instead: keys stay, values are attention-weighted means, and log_n += log(Σ A_cluster / A_kept),
-    so a merged slot receives the attention its whole cluster received."""
+    so a merged slot receives the attention its whole cluster received.
+
+    `empty` `(b, h, t)` bool: slots of `idx` that only pad a head to the row's width (per-head counts):
+    their tokens are treated as evicted (they join a kept slot), they absorb nothing, and they come
+    out empty (zeros, log_n -inf)."""
     b, h, s, _ = keys.shape
     t = idx.shape[-1]
-    kept = torch.zeros(b, h, s, dtype=torch.bool, device=keys.device).scatter_(-1, idx, True)
+    real = torch.ones(idx.shape, dtype=torch.bool, device=idx.device) if empty is None else ~empty
+    if empty is not None:
+        protect = empty | (protect if not isinstance(protect, int) else torch.arange(t, device=idx.device) < protect)
+    kept = torch.zeros(b, h, s, dtype=torch.bool, device=keys.device).scatter_(-1, idx, real)
     best, partner = nearest_kept(keys, idx, protect)
     join = ~kept & (best >= floor)
-    assign = partner.scatter(-1, idx, torch.arange(t, device=idx.device).expand_as(idx))
+    own = torch.arange(t, device=idx.device).expand_as(idx)
+    assign = partner.scatter(-1, idx, torch.where(real, own, partner.gather(-1, idx)))
     if attention is not None:
         weight = attention.float().clamp_min(1e-30) * (kept | join)
         total = torch.zeros(b, h, t, dtype=torch.float32, device=keys.device).scatter_add_(2, assign, weight)
-        bias = gather_slots(log_n, idx) + (total / gather_slots(weight, idx)).log()
-        return KV(gather_slots(keys, idx), weighted_mean(values, assign, weight, t), bias)
-    weight = masses(log_n) * (kept | join)
-    count = torch.zeros(b, h, t, dtype=torch.float32, device=keys.device).scatter_add_(2, assign, weight)
-    return KV(weighted_mean(keys, assign, weight, t), weighted_mean(values, assign, weight, t), count.log())
+        bias = gather_slots(log_n, idx) + (total / gather_slots(weight, idx).clamp_min(1e-30)).log()
+        out = KV(gather_slots(keys, idx), weighted_mean(values, assign, weight, t), bias)
+    else:
+        weight = masses(log_n) * (kept | join)
+        count = torch.zeros(b, h, t, dtype=torch.float32, device=keys.device).scatter_add_(2, assign, weight)
+        out = KV(weighted_mean(keys, assign, weight, t), weighted_mean(values, assign, weight, t), count.log())
+    if empty is None:
+        return out
+    return KV(out.keys.masked_fill(empty[..., None], 0), out.values.masked_fill(empty[..., None], 0),
+              out.log_n.masked_fill(empty, float("-inf")))
 
 
 def fold_values(keys, values, idx, similarity_threshold: float = 0.0, merge_fraction: float = 1.0,
