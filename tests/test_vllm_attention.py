@@ -50,7 +50,7 @@ def run_kernel(q, key_cache, value_cache, table, seq_len, isa, size):
     meta = ops.cpu_attn_get_scheduler_metadata(num_reqs=1, num_heads=HQ, num_kv_heads=HKV, head_dim=size,
                                                seq_lens=lens, dtype=torch.float32, query_start_loc=qsl, causal=True,
                                                sliding_window_size=-1, isa=isa, enable_kv_split=False)
-    ops.cpu_attention_with_kv_cache(query=channel_query(q, size), key_cache=key_cache, value_cache=value_cache,
+    ops.cpu_attention_with_kv_cache(query=channel_query(q, size) if size > D else q, key_cache=key_cache, value_cache=value_cache,
                                     output=out, query_start_loc=qsl, seq_lens=lens, scale=SCALE, causal=True,
                                     alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
                                     scheduler_metadata=meta, s_aux=None)
@@ -82,7 +82,7 @@ def test_compressed_prompt_in_the_kernel_equals_proportional_attention(queries):
     isa = _get_attn_isa(torch.float32, BS, size)
     prompt = 300
     method = get_method("snapkv", budget=0.25)
-    lay = layout(method, prompt, BS)
+    lay = layout(get_method("evictmerge", budget=0.25), prompt, BS)  # a merging method's layout: the channel's
     assert (lay.kept, lay.freed) == (75, 7)
     q_all = torch.randn(prompt, HQ, D)
     k_all, v_all = torch.randn(prompt, HKV, D), torch.randn(prompt, HKV, D)
@@ -137,3 +137,38 @@ def test_identical_tokens_merged_with_log_mass_attend_as_the_tokens():
               list(range(keys.shape[0])), isa)
         outs.append(run_kernel(q, key_cache, value_cache, table, keys.shape[0], isa, size)[..., :D])
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+def test_a_selecting_method_fills_its_first_block_and_needs_no_channel():
+    """snapkv's layout without the channel: the kept entries fill the slots from the first kept block
+    on (76 of a 300-token prompt at 25%, not 75: no slot can be masked), written at vLLM's own head
+    size; the kernel through the shifted table equals plain softmax attention over them and the new
+    tokens. A merged entry (log-mass ≠ 0) cannot be written there and is refused."""
+    torch.manual_seed(1)
+    isa = _get_attn_isa(torch.float32, BS, D)
+    prompt, method = 300, get_method("snapkv", budget=0.25)
+    lay = layout(method, prompt, BS)
+    assert (lay.kept, lay.freed, lay.empty) == (76, 7, 0)
+    q_all, k_all, v_all = torch.randn(prompt, HQ, D), torch.randn(prompt, HKV, D), torch.randn(prompt, HKV, D)
+    kv = compress_prompt(method, 0, 1, q_all, k_all, v_all, torch.zeros(prompt, dtype=torch.long), SCALE, lay.kept)
+    table = torch.tensor([[11, 4, 9, 2, 15, 7, 13, 1, 8, 3, 12, 0]], dtype=torch.int32)
+    key_cache, value_cache = new_cache(16, D)
+    for b in table[0, :lay.freed].tolist():
+        write(key_cache, value_cache, torch.randn(BS, HKV, D) * 50, torch.randn(BS, HKV, D) * 50,
+              [b * BS + i for i in range(BS)], isa)
+
+    def slot(pos):
+        return int(table[0, pos // BS]) * BS + pos % BS
+
+    keys, values = paged_entries(kv, lay, SCALE, D, torch.float32)
+    write(key_cache, value_cache, keys, values, [slot(p) for p in range(lay.start, prompt)], isa)
+    q, k_new, v_new = torch.randn(3, HQ, D), torch.randn(3, HKV, D), torch.randn(3, HKV, D)
+    write(key_cache, value_cache, k_new, v_new, [slot(prompt + i) for i in range(3)], isa)
+    view, lens = shifted(table, torch.tensor([prompt + 3]), torch.tensor([lay.start]), BS)
+    out = run_kernel(q, key_cache, value_cache, view, int(lens[0]), isa, D)
+    want = reference(q, torch.cat([kv.keys[0].transpose(0, 1), k_new]), torch.cat([kv.values[0].transpose(0, 1), v_new]),
+                     torch.zeros(lay.kept + 3, HKV), SCALE)
+    assert torch.allclose(out, want, atol=2e-5, rtol=1e-4), (out - want).abs().max()
+    merged = KV(kv.keys, kv.values, kv.log_n + 0.5)
+    with pytest.raises(RuntimeError, match="without the log-mass channel"):
+        paged_entries(merged, lay, SCALE, D, torch.float32)

@@ -17,7 +17,7 @@ from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 
 import kvmerge  # noqa: E402
 from kvmerge.model import cache_dir  # noqa: E402
-from kvmerge.vllm.config import SCHEDULER, WORKER, layout, refusal  # noqa: E402
+from kvmerge.vllm.config import SCHEDULER, WORKER, layout, needs_channel, refusal  # noqa: E402
 
 MODEL = cache_dir() / "smollm2-135m"
 ENGINE = dict(model=str(MODEL), dtype="float32", max_model_len=4096, enforce_eager=True, block_size=32,
@@ -55,11 +55,11 @@ def test_plugin_off_leaves_the_config_stock_and_on_installs_its_worker_and_sched
     ({"method": "snapkv:kernal=5"}, "snapkv has no parameter"),
     ({"budget": 0.25}, '"method" must be a method spec'),
     ({"method": "snapkv", "ratio": 0.25}, "unknown setting"),
-    ({"method": "expectmerge", "budget": 0.25}, "expectmerge needs each prompt token's surprisal"),
+    ({"method": "evictmerge:base=kvzip", "budget": 0.25}, "evictmerge runs another forward pass"),
     ({"method": "kvzip", "budget": 0.25}, "kvzip runs another forward pass"),
     ({"method": "pyramidkv", "budget": 0.25}, "pyramidkv sets per-layer budgets"),
     ({"method": "tova", "budget": 0.25}, "tova changes the cache while decoding"),
-    ({"method": "expected_attention", "budget": 0.25}, "reads the transformers model in setup"),
+    ({"method": "evictmerge:base=kvzip:alloc=head:recent=0", "budget": 0.25}, "alloc='head'"),
     ({"method": "snapkv:alloc=head", "budget": 0.25}, "alloc='head'"),
 ])
 def test_bad_settings_fail_at_startup_naming_the_problem(settings, message):
@@ -97,11 +97,21 @@ def test_every_registered_method_is_runnable_or_refused_with_a_reason():
 
 
 def test_layout_frees_whole_blocks_before_the_kept_entries():
-    lay = layout(kvmerge.get_method("snapkv", budget=0.25), 2123, 32)
+    lay = layout(kvmerge.get_method("evictmerge", budget=0.25), 2123, 32)  # merging: the channel masks 24 slots
     assert (lay.kept, lay.freed, lay.start, lay.empty) == (531, 49, 1568, 24)
+    plain = layout(kvmerge.get_method("snapkv", budget=0.25), 2123, 32)  # selecting: the kept fill the block
+    assert (plain.kept, plain.freed, plain.start, plain.empty) == (555, 49, 1568, 0)
     assert layout(kvmerge.get_method("full"), 2123, 32).freed == 0
-    short = layout(kvmerge.get_method("snapkv", budget=0.25), 50, 32)  # below sinks + window: 36 kept
+    short = layout(kvmerge.get_method("evictmerge", budget=0.25), 50, 32)  # below sinks + window: 36 kept
     assert (short.kept, short.freed) == (36, 0)
+    assert layout(kvmerge.get_method("snapkv", budget=0.25), 50, 32).kept == 50  # nothing freed: nothing dropped
+
+
+def test_only_merging_methods_widen_the_cache_with_the_channel():
+    assert not any(needs_channel(kvmerge.method_from_spec(m, 0.25)) for m in ("full", "snapkv", "keydiff",
+                                                                                "streamingllm", "expected_attention"))
+    assert all(needs_channel(kvmerge.method_from_spec(m, 0.25)) for m in ("evictmerge", "expectmerge", "cam",
+                                                                            "kmeans", "semanticache", "surprisemerge"))
 
 
 def prompts_of_8(tokenizer) -> list[list[int]]:
@@ -130,13 +140,17 @@ def close(llm) -> None:
 
 
 @needs_model
-def test_full_gives_the_tokens_of_stock_vllm_on_8_prompts():
+def test_full_and_the_channel_give_the_tokens_of_stock_vllm_on_8_prompts():
     stock = LLM(**ENGINE)
     prompts = prompts_of_8(stock.get_tokenizer())
     want = greedy(stock, prompts)
     close(stock)
-    plugin = LLM(**ENGINE, additional_config={"kvmerge": {"method": "full"}})
+    plugin = LLM(**ENGINE, additional_config={"kvmerge": {"method": "full"}})  # vLLM's head size, no channel
     got = greedy(plugin, prompts)
     close(plugin)
+    # a merging method with nothing to merge: every slot widened by the log-mass channel (64 → 80), all 0
+    channel = LLM(**ENGINE, additional_config={"kvmerge": {"method": "evictmerge", "budget": 1.0}})
+    widened = greedy(channel, prompts)
+    close(channel)
     assert len({len(p) for p in prompts}) == 8 and max(len(p) for p in prompts) > 500
-    assert got == want
+    assert got == want and widened == want

@@ -28,7 +28,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 from .compress import EMPTY_LOG_N, compress_prompt, paged_entries, worker_method
 from .config import Layout, padded_head_size
 
-__all__ = ["EMPTY_LOG_N", "STATS", "KvmergeCPUBackend", "Prompt", "StepPlan", "channel_query", "shifted",
+__all__ = ["EMPTY_LOG_N", "STATS", "KvmergeCPUBackend", "KvmergePlainCPUBackend", "Prompt", "StepPlan", "channel_query", "shifted",
            "with_channel"]
 
 STATS = {"compress_seconds": 0.0, "compressed_layers": 0}  # this worker process's compressions, for benchmarks
@@ -126,18 +126,24 @@ class KvmergeCPUImpl(CPUAttentionBackendImpl):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         size = kv_cache.shape[-1] // 2
-        super().do_kv_cache_update(layer, with_channel(key, size), with_channel(value, size), kv_cache, slot_mapping)
+        if size > self.head_size:
+            key, value = with_channel(key, size), with_channel(value, size)
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         if attn_metadata is None:  # warm-up
             return output
         size = kv_cache.shape[-1] // 2
-        n = attn_metadata.num_actual_tokens
-        wide = query.new_empty(query.shape[0], self.num_heads, size)
-        super().forward(layer, channel_query(query, size), key, value, kv_cache, attn_metadata, wide,
-                        output_scale, output_block_scale)
-        output[:n] = wide[:n, :, :self.head_size]
+        if size == self.head_size:  # no channel (a method that only selects): vLLM's attention as it is
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                            output_block_scale)
+        else:
+            n = attn_metadata.num_actual_tokens
+            wide = query.new_empty(query.shape[0], self.num_heads, size)
+            super().forward(layer, channel_query(query, size), key, value, kv_cache, attn_metadata, wide,
+                            output_scale, output_block_scale)
+            output[:n] = wide[:n, :, :self.head_size]
         plan = getattr(attn_metadata, "plan", None)
         for prompt in () if plan is None else plan.prompts:
             span = slice(prompt.start, prompt.start + prompt.layout.prompt)
@@ -165,18 +171,13 @@ class KvmergeCPUImpl(CPUAttentionBackendImpl):
         STATS["compressed_layers"] += 1
 
 
-class KvmergeCPUBackend(CPUAttentionBackend):
-    """CPU_ATTN with a head size padded by the log-mass channel (`customize_spec`: the cache's slots
-    are `padded_head_size(head_size)` wide, e.g. 80 for 64: +25% bytes per slot)."""
+class KvmergePlainCPUBackend(CPUAttentionBackend):
+    """CPU_ATTN with vLLM's own head size, for `full` and methods that only select
+    (`config.needs_channel`): the builder's shifted tables and the impl's compression, no channel."""
 
     @staticmethod
     def get_name() -> str:
         return "CPU_ATTN"
-
-    @classmethod
-    def customize_spec(cls, spec):
-        size = padded_head_size(spec.head_size)
-        return dataclasses.replace(spec, head_size=size, head_size_v=size)
 
     @staticmethod
     def get_impl_cls():
@@ -185,3 +186,13 @@ class KvmergeCPUBackend(CPUAttentionBackend):
     @staticmethod
     def get_builder_cls():
         return KvmergeCPUBuilder
+
+
+class KvmergeCPUBackend(KvmergePlainCPUBackend):
+    """CPU_ATTN with a head size padded by the log-mass channel (`customize_spec`: the cache's slots
+    are `padded_head_size(head_size)` wide, e.g. 80 for 64: +25% bytes per slot)."""
+
+    @classmethod
+    def customize_spec(cls, spec):
+        size = padded_head_size(spec.head_size)
+        return dataclasses.replace(spec, head_size=size, head_size_v=size)

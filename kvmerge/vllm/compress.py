@@ -54,11 +54,17 @@ def compress_prompt(method: Method, layer_idx: int, num_layers: int, queries: to
 def paged_entries(kv: KV, layout: Layout, scale: float, size: int, dtype: torch.dtype):
     """The slots [layout.start, layout.prompt) as written to vLLM's cache: `KV` of one row `(1, h, k, d)`
     → (keys', values') `(layout.prompt − layout.start, h, size)` in `dtype`: first the empty slots
-    (zeros, log-mass `EMPTY_LOG_N`), then the k entries, each key carrying log_n / scale in channel d."""
+    (zeros, log-mass `EMPTY_LOG_N`), then the k entries, each key carrying log_n / scale in channel d.
+    `size` = d (a cache without the channel): the k plain entries fill every slot."""
     keys, values, log_n = (x[0].transpose(0, 1) for x in kv)  # (k, h, d), (k, h)
     slots, heads, d = layout.prompt - layout.start, keys.shape[1], keys.shape[2]
     if keys.shape[0] > slots:
         raise ValueError(f"{keys.shape[0]} entries do not fit the layout's {slots} slots")
+    if size == d:  # no log-mass channel: plain tokens filling every slot
+        if keys.shape[0] != slots or bool((log_n != 0).any()):
+            raise RuntimeError(f"a cache without the log-mass channel takes {slots} plain tokens; got "
+                               f"{keys.shape[0]} entries, {int((log_n != 0).sum())} of them with a log-mass")
+        return keys.to(dtype), values.to(dtype)
     out_k = torch.zeros(slots, heads, size, dtype=dtype, device=keys.device)
     out_v = torch.zeros(slots, heads, size, dtype=dtype, device=keys.device)
     first = slots - keys.shape[0]

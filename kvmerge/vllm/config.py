@@ -203,14 +203,30 @@ class Layout:
         return self.prompt - self.start - self.kept
 
 
+def needs_channel(method: Method) -> bool:
+    """Whether `method`'s entries can carry a log-mass other than 0 (it merges), so that the cache needs
+    the log-mass channel. `full` and methods that only select (`ScoringMethod`'s own compress, one
+    count per head) keep plain tokens: their cache keeps vLLM's head size and no slot is left empty."""
+    from ..methods import ScoringMethod
+
+    if method.name == "full":
+        return False
+    selects = isinstance(method, ScoringMethod) and type(method).compress is ScoringMethod.compress
+    return not (selects and method.alloc == "uniform")
+
+
 def layout(method: Method, prompt: int, block_size: int) -> Layout:
     """The layout of a prompt of `prompt` tokens compressed by `method` in blocks of `block_size`.
 
     `kept` is `method.running_target(prompt)`: the budget, never below the protected sinks + window
     (a prompt too short for its budget keeps sinks + window entries instead of being refused; for
-    prompts long enough this equals `method.target(prompt)`, what kvmerge's transformers runtime keeps)."""
+    prompts long enough this equals `method.target(prompt)`, what kvmerge's transformers runtime keeps).
+    Without the log-mass channel (`needs_channel`) no slot can be masked, so the kept entries fill the
+    first kept block: `kept` is rounded up to `prompt − freed · block_size`, at most `block_size − 1`
+    more entries than the budget, in a block the request holds anyway."""
     kept = prompt if prompt <= 1 else method.running_target(prompt)
-    return Layout(prompt, kept, (prompt - kept) // block_size, block_size)
+    freed = (prompt - kept) // block_size
+    return Layout(prompt, kept if needs_channel(method) else prompt - freed * block_size, freed, block_size)
 
 
 def check(vllm_config) -> Settings | None:

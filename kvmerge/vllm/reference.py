@@ -7,7 +7,8 @@ Runs in kvmerge's main environment (transformers 5.24; the runtime needs it), ne
 
 `prompts`: kvmerge's NIAH samples (kvmerge_eval), each a whole chat prompt of token ids (context and
 question together: the plugin compresses the whole prompt, i.e. kvmerge's question-aware protocol).
-`greedy`: per prompt, the greedy tokens of `Session` prefill (compressed with the method) + decode,
+`greedy`: per prompt, the greedy tokens of `Session` prefill (compressed with the method at `--budget`,
+or at the prompt's own "kept" entry count when it has one) + decode,
 and at each step the log-probabilities of the top `top` tokens, to locate and size divergences.
 """
 
@@ -71,9 +72,9 @@ def main(argv=None) -> None:
     if args.command == "prompts":
         json.dump(niah_prompts(tok, args.samples, args.length, args.seed), sys.stdout)
         return
-    prompts = json.load(sys.stdin)
-    method = kvmerge.method_from_spec(args.method, args.budget)
-    json.dump([greedy(model, p["ids"], method, args.tokens, tokenizer=tok) for p in prompts], sys.stdout)
+    prompts = json.load(sys.stdin)  # a prompt's "kept" (entries), when given, overrides --budget
+    json.dump([greedy(model, p["ids"], kvmerge.method_from_spec(args.method, p.get("kept", args.budget)), args.tokens,
+                      tokenizer=tok) for p in prompts], sys.stdout)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,10 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from .attention import STATS, KvmergeCPUBuilder, Prompt, StepPlan
 from .compress import ModelStandIn, prompt_surprisal, worker_method
-from .config import layout
+from .config import layout, needs_channel
 
-BACKEND = "kvmerge.vllm.attention.KvmergeCPUBackend"
+BACKEND = "kvmerge.vllm.attention.KvmergeCPUBackend"  # with the log-mass channel
+PLAIN_BACKEND = "kvmerge.vllm.attention.KvmergePlainCPUBackend"  # full, and methods that only select
 
 
 class KvmergeCPURunner(CPUModelRunner):
@@ -112,9 +113,10 @@ class KvmergeCPUWorker(CPUWorker):
     """vLLM's CPU worker with kvmerge's `CPU_ATTN` backend registered before the model is built, and
     `KvmergeCPURunner` as its runner. Named by `parallel_config.worker_cls` when the plugin is on."""
 
-    def __init__(self, *args, **kwargs):
-        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
-        super().__init__(*args, **kwargs)
+    def __init__(self, vllm_config, *args, **kwargs):
+        method = worker_method(vllm_config)
+        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND if needs_channel(method) else PLAIN_BACKEND)
+        super().__init__(vllm_config, *args, **kwargs)
 
     def init_device(self):
         super().init_device()
