@@ -149,3 +149,18 @@ def test_merging_with_per_head_allocation_keeps_the_same_picks_and_conserves_mas
         mass = c.full_log_n().exp().sum(-1)  # (b, h): empty slots add exp(-inf) = 0
         torch.testing.assert_close(mass, torch.full_like(mass, 160.0))
     assert changed  # and merging did change values
+
+
+def test_zipmerge_is_kvzip_global_picks_with_evictmerge_merging_and_refuses_chunks():
+    model = tiny_model(num_hidden_layers=3)
+    kvzip = kvmerge.get_method("kvzip", window=8, chunk=64)
+    _, named, _ = _compressed(model, kvmerge.get_method("zipmerge", budget=0.25, window=8, base=kvzip))
+    _, spelled, _ = _compressed(model, kvmerge.get_method("evictmerge", budget=0.25, window=8, base=kvzip, alloc="head",
+                                                          recent=0.0))
+    for i in named.cache.compressible:
+        a, b = named.cache.layers[i], spelled.cache.layers[i]
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert torch.equal(a.full_log_n(), b.full_log_n())
+    with pytest.raises(ValueError, match="one-shot compression"):
+        kvmerge.generate_ids(model, random_ids(300, seed=1), [3], kvmerge.get_method("zipmerge", window=8),
+                             max_new_tokens=2, prefill_chunk=128, tokenizer=TinyTokenizer())
