@@ -111,7 +111,7 @@ def main(argv=None) -> None:
     parser.add_argument("--pool-mib", type=float, default=1024.0, help="KV pool in MiB, the same for every config")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--method", default="snapkv")
+    parser.add_argument("--method", default="snapkv", help="a method spec, or several separated by commas")
     parser.add_argument("--budgets", default="0.5,0.25,0.1")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -124,7 +124,7 @@ def main(argv=None) -> None:
         print("RESULT " + json.dumps(run_one(args, spec["method"], spec["budget"])), flush=True)
         return
     configs = [{"method": None, "budget": None}] + ([] if args.no_full else [{"method": "full", "budget": None}])
-    configs += [{"method": args.method, "budget": float(b)} for b in args.budgets.split(",")]
+    configs += [{"method": m, "budget": float(b)} for m in args.method.split(",") for b in args.budgets.split(",")]
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                  if k not in ("out", "one", "no_full", "rounds")]
     for r in range(args.rounds):

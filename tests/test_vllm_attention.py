@@ -43,6 +43,17 @@ def write(key_cache, value_cache, keys, values, slots, isa):
                                    torch.tensor(slots, dtype=torch.int64), isa)
 
 
+def reused_blocks(freed: int, size: int, isa):
+    """A request's block table over a 16-block cache of slots `size` wide, its first `freed` blocks full of
+    someone else's entries (as after a compression freed them): (table, key_cache, value_cache, slot(pos))."""
+    table = torch.tensor([[11, 4, 9, 2, 15, 7, 13, 1, 8, 3, 12, 0]], dtype=torch.int32)
+    key_cache, value_cache = new_cache(16, size)
+    for b in table[0, :freed].tolist():
+        write(key_cache, value_cache, torch.randn(BS, HKV, size) * 50, torch.randn(BS, HKV, size) * 50,
+              [b * BS + i for i in range(BS)], isa)
+    return table, key_cache, value_cache, lambda pos: int(table[0, pos // BS]) * BS + pos % BS
+
+
 def run_kernel(q, key_cache, value_cache, table, seq_len, isa, size):
     out = torch.zeros(q.shape[0], HQ, size)
     qsl = torch.tensor([0, q.shape[0]], dtype=torch.int32)
@@ -90,14 +101,7 @@ def test_compressed_prompt_in_the_kernel_equals_proportional_attention(queries):
     log_n = torch.rand(kv.log_n.shape) * 3  # as merged entries carry
     log_n[..., 3] = 0.0
     kv = KV(kv.keys, kv.values, log_n)
-    table = torch.tensor([[11, 4, 9, 2, 15, 7, 13, 1, 8, 3, 12, 0]], dtype=torch.int32)
-    key_cache, value_cache = new_cache(16, size)
-    for b in table[0, :lay.freed].tolist():  # freed blocks now hold someone else's entries
-        write(key_cache, value_cache, torch.randn(BS, HKV, size) * 50, torch.randn(BS, HKV, size) * 50,
-              [b * BS + i for i in range(BS)], isa)
-
-    def slot(pos):
-        return int(table[0, pos // BS]) * BS + pos % BS
+    table, key_cache, value_cache, slot = reused_blocks(lay.freed, size, isa)
 
     keys, values = paged_entries(kv, lay, SCALE, size, torch.float32)
     write(key_cache, value_cache, keys, values, [slot(p) for p in range(lay.start, prompt)], isa)
@@ -151,14 +155,7 @@ def test_a_selecting_method_fills_its_first_block_and_needs_no_channel():
     assert (lay.kept, lay.freed, lay.empty) == (76, 7, 0)
     q_all, k_all, v_all = torch.randn(prompt, HQ, D), torch.randn(prompt, HKV, D), torch.randn(prompt, HKV, D)
     kv = compress_prompt(method, 0, 1, q_all, k_all, v_all, torch.zeros(prompt, dtype=torch.long), SCALE, lay.kept)
-    table = torch.tensor([[11, 4, 9, 2, 15, 7, 13, 1, 8, 3, 12, 0]], dtype=torch.int32)
-    key_cache, value_cache = new_cache(16, D)
-    for b in table[0, :lay.freed].tolist():
-        write(key_cache, value_cache, torch.randn(BS, HKV, D) * 50, torch.randn(BS, HKV, D) * 50,
-              [b * BS + i for i in range(BS)], isa)
-
-    def slot(pos):
-        return int(table[0, pos // BS]) * BS + pos % BS
+    table, key_cache, value_cache, slot = reused_blocks(lay.freed, D, isa)
 
     keys, values = paged_entries(kv, lay, SCALE, D, torch.float32)
     write(key_cache, value_cache, keys, values, [slot(p) for p in range(lay.start, prompt)], isa)
