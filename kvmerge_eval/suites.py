@@ -110,9 +110,12 @@ def _check_methods(runs, where) -> None:
     for r in runs:
         for m in r.methods:
             try:
-                method_from_spec(m, r.budgets[0])
+                method = method_from_spec(m, r.budgets[0])
             except (ValueError, TypeError, KeyError) as e:
                 raise ValueError(f"{where}: method {m!r}: {e}") from e
+            if r.prefill_chunk and getattr(method, "alloc", "uniform") != "uniform":
+                raise ValueError(f"{where}: run {r.label!r}: method {m!r} allocates one budget over every layer at "
+                                 "once (alloc), which prefill_chunk cannot do; give this run its own methods")
 
 
 def folder(suite: Suite, model: str, root="results") -> Path:

@@ -40,6 +40,8 @@ def _write(tmp_path, text):
      "method 'nosuch'"),
     ('models = ["m"]\n[[run]]\ntask = "niah"\nmethods = ["full"]\nbudgets = [0.5]\nsamples = 1', "missing lengths"),
     ('title = "no runs"', "at least one"),
+    ('models = ["m"]\n[[run]]\ntask = "niah"\nmethods = ["zipmerge"]\nbudgets = [0.5]\nlengths = [9]\nsamples = 1\n'
+     'prefill_chunk = 4', "method 'zipmerge' allocates one budget over every layer at once"),
 ])
 def test_bad_suites_are_refused_by_name(tmp_path, text, error):
     with pytest.raises(ValueError, match=error):
