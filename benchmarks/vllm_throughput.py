@@ -5,8 +5,8 @@
         --pool-mib 190 --max-model-len 2048 --out results/vllm_throughput.jsonl   # the scaled run in docs/vllm.md
 
 All requests arrive at once; every configuration gets the same pool in bytes (`--pool-mib`), so the
-plugin, whose slots are wider by the log-mass channel (80 channels for SmolLM2's 64: +25% bytes), has
-fewer slots. Configurations alternate within one run (`--rounds`), each in its own process with the
+plugin with a merging method, whose slots are wider by the log-mass channel (80 channels for SmolLM2's
+64: +25% bytes), has fewer slots; `full` and methods that only select keep vLLM's slots. Configurations alternate within one run (`--rounds`), each in its own process with the
 engine in-process, driven step by step: stock vLLM (defaults, prefix caching off: the prompts share
 nothing), the plugin with `full` (the channel's cost alone), and the plugin at each budget with
 `--method`. Reported per run: requests/s, output tokens/s, peak running requests, preemptions,
@@ -57,11 +57,13 @@ def run_one(args, method: str | None, budget: float | None) -> dict:
     from vllm import LLM, SamplingParams
 
     from kvmerge.vllm.attention import STATS
-    from kvmerge.vllm.config import padded_head_size
+    from kvmerge import method_from_spec
+    from kvmerge.vllm.config import needs_channel, padded_head_size
 
     config = AutoConfig.from_pretrained(args.model)
     head = config.get_text_config().head_dim
-    width = head if method is None else padded_head_size(head)
+    widened = method is not None and needs_channel(method_from_spec(method, budget))  # merging: the log-mass channel
+    width = padded_head_size(head) if widened else head
     blocks = int(args.pool_mib * 2 ** 20) // block_bytes(config, args.block_size, width)
     kwargs = dict(model=args.model, dtype="float32", max_model_len=args.max_model_len, enforce_eager=True,
                   block_size=args.block_size, enable_prefix_caching=False, num_gpu_blocks_override=blocks)
