@@ -63,4 +63,4 @@ test-vllm: setup setup-vllm
 bench-vllm: setup setup-vllm
 	HF_HUB_OFFLINE=1 $(BIN)/python -c "import kvmerge; kvmerge.load_model()"
 	HF_HUB_OFFLINE=1 $(VBIN)/python benchmarks/vllm_throughput.py --requests 16 --prompt-tokens 1024 --output-tokens 32 \
-		--pool-mib 190 --max-model-len 2048 --rounds 2 --out results/vllm_throughput.jsonl
+		--pool-mib 190 --max-model-len 2048 --method snapkv,evictmerge --rounds 2 --out results/vllm_throughput.jsonl
