@@ -133,6 +133,12 @@ def greedy(llm, prompts, tokens=24):
     return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
 
 
+def slot_width(llm) -> int:
+    """The head size of the engine's KV cache slots (the engine runs in this process)."""
+    groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    return groups[0].kv_cache_spec.head_size
+
+
 def close(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -140,17 +146,23 @@ def close(llm) -> None:
 
 
 @needs_model
-def test_full_and_the_channel_give_the_tokens_of_stock_vllm_on_8_prompts():
+def test_full_and_the_channel_give_the_tokens_of_stock_vllm_on_8_prompts(monkeypatch):
+    from vllm import envs
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: its cache spec is readable
+    envs.disable_envs_cache()
     stock = LLM(**ENGINE)
     prompts = prompts_of_8(stock.get_tokenizer())
     want = greedy(stock, prompts)
     close(stock)
     plugin = LLM(**ENGINE, additional_config={"kvmerge": {"method": "full"}})  # vLLM's head size, no channel
-    got = greedy(plugin, prompts)
+    got, plain = greedy(plugin, prompts), slot_width(plugin)
     close(plugin)
     # a merging method with nothing to merge: every slot widened by the log-mass channel (64 → 80), all 0
     channel = LLM(**ENGINE, additional_config={"kvmerge": {"method": "evictmerge", "budget": 1.0}})
-    widened = greedy(channel, prompts)
+    widened, wide = greedy(channel, prompts), slot_width(channel)
     close(channel)
+    envs.disable_envs_cache()
+    assert (plain, wide) == (64, 80)
     assert len({len(p) for p in prompts}) == 8 and max(len(p) for p in prompts) > 500
     assert got == want and widened == want

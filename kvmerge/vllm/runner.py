@@ -13,6 +13,7 @@ import inspect
 import time
 
 import torch
+from vllm.v1.attention import selector
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -116,6 +117,9 @@ class KvmergeCPUWorker(CPUWorker):
     def __init__(self, vllm_config, *args, **kwargs):
         method = worker_method(vllm_config)
         register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND if needs_channel(method) else PLAIN_BACKEND)
+        # vLLM caches each backend lookup for the process: a second engine in this process (tests,
+        # benchmarks) with the other kind of method must not get the first one's backend
+        getattr(selector._cached_get_attn_backend, "cache_clear", lambda: None)()
         super().__init__(vllm_config, *args, **kwargs)
 
     def init_device(self):
