@@ -5,7 +5,8 @@
 Needs the main venv (.venv: the transformers runtime, `python -m kvmerge.vllm.reference`) beside
 .venv-vllm. Per method: kvmerge's NIAH prompts of about `--length` tokens (context and question, the
 whole prompt compressed: the question-aware protocol), greedy `--tokens` tokens from `kvmerge.Session`
-and from vLLM with the plugin (same method and budget), both decoded and scored by kvmerge_eval's NIAH
+and from vLLM with the plugin (same method; the same entry count: a method that only selects keeps
+its first kept block full in vLLM, and the runtime is given that count), both decoded and scored by kvmerge_eval's NIAH
 scorer. Prints per method: samples answered by each, and on how many the two token sequences are
 identical; `--out` also keeps every sample's texts.
 """
@@ -20,6 +21,7 @@ import subprocess
 from pathlib import Path
 
 MAIN_PYTHON = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"
+BLOCK = 32
 
 
 def reference(*args: str, stdin: str | None = None) -> list:
@@ -31,7 +33,7 @@ def reference(*args: str, stdin: str | None = None) -> list:
 def through_vllm(model: str, prompts: list, method: str, budget: float, tokens: int) -> list[list[int]]:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype="float32", max_model_len=4096, enforce_eager=True, block_size=32,
+    llm = LLM(model=model, dtype="float32", max_model_len=4096, enforce_eager=True, block_size=BLOCK,
               enable_prefix_caching=False, max_num_batched_tokens=9000,
               additional_config={"kvmerge": {"method": method, "budget": budget}})
     try:
@@ -58,7 +60,9 @@ def main(argv=None) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from transformers import AutoTokenizer
 
+    from kvmerge import method_from_spec
     from kvmerge.model import cache_dir
+    from kvmerge.vllm.config import layout
     from kvmerge_eval import niah
 
     model = str(cache_dir() / "smollm2-135m")
@@ -66,8 +70,10 @@ def main(argv=None) -> None:
     prompts = reference("prompts", "--samples", str(args.samples), "--length", str(args.length))
     rows = []
     for method in args.methods.split(","):
+        spec = method_from_spec(method, args.budget)  # methods that only select keep their first block full:
+        kept = [{**p, "kept": layout(spec, len(p["ids"]), BLOCK).kept} for p in prompts]  # the same count there
         want = reference("greedy", "--method", method, "--budget", str(args.budget), "--tokens", str(args.tokens),
-                         stdin=json.dumps(prompts))
+                         stdin=json.dumps(kept))
         got = through_vllm(model, prompts, method, args.budget, args.tokens)
         for i, (p, w, g) in enumerate(zip(prompts, want, got)):
             texts = {side: tok.decode(ids, skip_special_tokens=True) for side, ids in (("transformers", w["tokens"]),

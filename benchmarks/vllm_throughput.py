@@ -8,7 +8,7 @@ All requests arrive at once; every configuration gets the same pool in bytes (`-
 plugin with a merging method, whose slots are wider by the log-mass channel (80 channels for SmolLM2's
 64: +25% bytes), has fewer slots; `full` and methods that only select keep vLLM's slots. Configurations alternate within one run (`--rounds`), each in its own process with the
 engine in-process, driven step by step: stock vLLM (defaults, prefix caching off: the prompts share
-nothing), the plugin with `full` (the channel's cost alone), and the plugin at each budget with
+nothing), the plugin with `full` (its worker, scheduler and attention path, no compression), and the plugin at each budget with
 `--method`. Reported per run: requests/s, output tokens/s, peak running requests, preemptions,
 mean and median time to first token, and the seconds the workers spent compressing.
 """
@@ -117,7 +117,7 @@ def main(argv=None) -> None:
     parser.add_argument("--budgets", default="0.5,0.25,0.1")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-full", action="store_true", help="skip the plugin with `full` (the channel's cost)")
+    parser.add_argument("--no-full", action="store_true", help="skip the plugin with `full` (the plugin's own cost, nothing compressed)")
     parser.add_argument("--out", default=None, help="append one JSON line per run here")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one config, print JSON
     args = parser.parse_args(argv)

@@ -63,3 +63,17 @@ def test_compress_prompt_passes_the_surprisal_and_a_pre_sliced_query_window():
     surprisal = torch.linspace(0, 5, p)
     compress_prompt(snap, 0, 2, q, k, v, ids, 0.3, 24, surprisal)
     assert torch.equal(seen[0], surprisal[None])
+
+
+def test_the_worker_sets_up_a_method_that_reads_only_the_rotary_embedding():
+    """expected_attention's setup reads the rotary embedding and no tokenizer: the worker's method gets
+    the stand-in all the same (not None), and its rotation is the model's."""
+    from kvmerge.vllm.compress import _method_for
+
+    model = tiny_model("llama")
+    method = _method_for("expected_attention", 0.25, None, model.config)
+    theirs = get_method("expected_attention")
+    theirs.setup(model, None)
+    positions = torch.arange(0, 300, 11)
+    for a, b in zip(method._cos_sin(positions), theirs._cos_sin(positions)):
+        assert torch.equal(a, b)

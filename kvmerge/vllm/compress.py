@@ -118,12 +118,12 @@ def _method_for(spec: str, budget, tokenizer_path: str | None, hf_config) -> Met
     key = (spec, budget, tokenizer_path, id(hf_config))
     if key not in _METHODS:
         method = settings_of({"kvmerge": {"method": spec, "budget": budget}}).build()
-        model = tokenizer = None
-        if hook_reads(method, "setup") is not None:  # the tokenizer, the rotary embedding, or both
+        tokenizer = None
+        if hook_reads(method, "setup") == "tokenizer":
             from transformers import AutoTokenizer
 
-            model, tokenizer = ModelStandIn(hf_config), AutoTokenizer.from_pretrained(tokenizer_path)
-        method.setup(model, tokenizer)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        method.setup(ModelStandIn(hf_config), tokenizer)  # the stand-in builds its rotary module only if read
         _METHODS[key] = method
     return _METHODS[key]
 
