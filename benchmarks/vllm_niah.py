@@ -17,17 +17,9 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 from pathlib import Path
 
-MAIN_PYTHON = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"
 BLOCK = 32
-
-
-def reference(*args: str, stdin: str | None = None) -> list:
-    out = subprocess.run([str(MAIN_PYTHON), "-m", "kvmerge.vllm.reference", *args], input=stdin, capture_output=True,
-                         text=True, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    return json.loads(out.stdout)
 
 
 def through_vllm(model: str, prompts: list, method: str, budget: float, tokens: int) -> list[list[int]]:
@@ -60,20 +52,16 @@ def main(argv=None) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from transformers import AutoTokenizer
 
-    from kvmerge import method_from_spec
     from kvmerge.model import cache_dir
-    from kvmerge.vllm.config import layout
+    from kvmerge.vllm.reference import call, greedy_as_vllm_keeps
     from kvmerge_eval import niah
 
     model = str(cache_dir() / "smollm2-135m")
     tok = AutoTokenizer.from_pretrained(model)
-    prompts = reference("prompts", "--samples", str(args.samples), "--length", str(args.length))
+    prompts = call("prompts", "--samples", str(args.samples), "--length", str(args.length))
     rows = []
     for method in args.methods.split(","):
-        spec = method_from_spec(method, args.budget)  # methods that only select keep their first block full:
-        kept = [{**p, "kept": layout(spec, len(p["ids"]), BLOCK).kept} for p in prompts]  # the same count there
-        want = reference("greedy", "--method", method, "--budget", str(args.budget), "--tokens", str(args.tokens),
-                         stdin=json.dumps(kept))
+        want = greedy_as_vllm_keeps(prompts, method, args.budget, args.tokens, BLOCK)
         got = through_vllm(model, prompts, method, args.budget, args.tokens)
         for i, (p, w, g) in enumerate(zip(prompts, want, got)):
             texts = {side: tok.decode(ids, skip_special_tokens=True) for side, ids in (("transformers", w["tokens"]),

@@ -12,8 +12,6 @@ import gc
 import json
 import math
 import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -23,11 +21,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
-import kvmerge  # noqa: E402
 from kvmerge.model import cache_dir  # noqa: E402
-from kvmerge.vllm.config import layout  # noqa: E402
+from kvmerge.vllm.reference import MAIN_PYTHON, call, greedy_as_vllm_keeps  # noqa: E402
 
-MAIN_PYTHON = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"
 MODEL = cache_dir() / "smollm2-135m"
 TOKENS, BLOCK = 32, 32
 # snapkv: 130 blocks of 32, room for one uncompressed 2.1k prompt (67 blocks) at a time, so each prompt's
@@ -39,15 +35,9 @@ pytestmark = pytest.mark.skipif(not MAIN_PYTHON.exists() or not (MODEL / "model.
                                 reason="needs kvmerge's main venv (.venv: make setup) and the converted SmolLM2")
 
 
-def reference(*args: str, stdin: str | None = None) -> list:
-    out = subprocess.run([str(MAIN_PYTHON), "-m", "kvmerge.vllm.reference", *args], input=stdin, capture_output=True,
-                         text=True, check=True, timeout=1800, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    return json.loads(out.stdout)
-
-
 @pytest.fixture(scope="module")
 def prompts():
-    return reference("prompts", "--samples", "4", "--length", "2048")
+    return call("prompts", "--samples", "4", "--length", "2048", timeout=1800)
 
 
 def first_divergence(got_tokens, got_logprobs, want) -> dict:
@@ -68,10 +58,7 @@ def first_divergence(got_tokens, got_logprobs, want) -> dict:
 def test_method_matches_the_transformers_runtime_and_frees_blocks(monkeypatch, prompts, method):
     from vllm import envs
 
-    spec = kvmerge.method_from_spec(method, 0.25)
-    lays = [layout(spec, len(p["ids"]), BLOCK) for p in prompts]  # snapkv: kept rounded up to fill its block
-    want = reference("greedy", "--method", method, "--budget", "0.25", "--tokens", str(TOKENS),
-                     stdin=json.dumps([{**p, "kept": lay.kept} for p, lay in zip(prompts, lays)]))
+    want = greedy_as_vllm_keeps(prompts, method, 0.25, TOKENS, BLOCK, timeout=1800)  # snapkv: its block filled
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: its scheduler is readable
     llm = LLM(model=str(MODEL), dtype="float32", max_model_len=4096, enforce_eager=True, block_size=BLOCK,
               enable_prefix_caching=False, additional_config={"kvmerge": {"method": method, "budget": 0.25}},

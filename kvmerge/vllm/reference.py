@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -52,6 +55,30 @@ def greedy(model, prompt: list[int], method, tokens: int, top: int = 5, tokenize
         ids.append(int(best.indices[0]))
         logits = runtime.forward([[ids[-1]]])
     return {"tokens": ids, "top": tops}
+
+
+MAIN_PYTHON = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"  # kvmerge's main environment
+
+
+def call(*args: str, stdin: str | None = None, timeout: float | None = None) -> list:
+    """This module's command `args` run in kvmerge's main environment (from the vLLM one); its JSON."""
+    out = subprocess.run([str(MAIN_PYTHON), "-m", "kvmerge.vllm.reference", *args], input=stdin, capture_output=True,
+                         text=True, check=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return json.loads(out.stdout)
+
+
+def greedy_as_vllm_keeps(prompts: list[dict], method: str, budget: float, tokens: int, block_size: int,
+                         timeout: float | None = None) -> list:
+    """`greedy` on `prompts` at the entry count the plugin keeps for each (`config.layout`: a method that
+    only selects fills its first kept block, up to `block_size` − 1 entries over the budget)."""
+    from kvmerge import method_from_spec
+
+    from .config import layout
+
+    spec = method_from_spec(method, budget)
+    kept = [{**p, "kept": layout(spec, len(p["ids"]), block_size).kept} for p in prompts]
+    return call("greedy", "--method", method, "--budget", str(budget), "--tokens", str(tokens),
+                stdin=json.dumps(kept), timeout=timeout)
 
 
 def main(argv=None) -> None:
