@@ -115,7 +115,7 @@ _METHODS: dict = {}
 
 
 def _method_for(spec: str, budget, tokenizer_path: str | None, hf_config) -> Method:
-    key = (spec, budget, tokenizer_path, id(hf_config))
+    key = (spec, budget, tokenizer_path, hf_config.to_json_string())  # not id(): ids are reused
     if key not in _METHODS:
         method = settings_of({"kvmerge": {"method": spec, "budget": budget}}).build()
         tokenizer = None
