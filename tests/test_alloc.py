@@ -1,4 +1,4 @@
-"""Global budget allocation (`alloc="layer"` / `"head"`, KVzip's and AdaKV's): counts equal a brute-force
+"""Global budget allocation (`alloc="layer"` / `"head"` / `"fit"`, KVzip's and AdaKV's): counts equal a brute-force
 global top-k, every head keeps its own top entries, padding slots get no attention, budgets hold."""
 
 import pytest
@@ -34,14 +34,38 @@ def test_global_counts_equal_a_brute_force_global_top_k(L, h, s, frac, seed):
     scores = [torch.rand(2, h, s, generator=g) * (l + 1) for l in range(L)]  # distinct values: no ties
     sinks, window = 2, 3
     target = max(int(frac * s), sinks + window)
-    heads = global_counts(scores, target, sinks, window, per_head=True)
+    heads = global_counts(scores, target, sinks, window, "head")
     assert torch.equal(heads, _brute_counts(scores, target, sinks, window))
-    layers = global_counts(scores, target, sinks, window, per_head=False)
+    layers = global_counts(scores, target, sinks, window, "layer")
     assert (layers == layers[..., :1]).all()  # one count per layer and row
     assert (layers.sum((0, 2)) <= L * h * target).all() and (layers.sum((0, 2)) > L * h * target - h * L).all()
     assert (layers >= sinks + window).all() and (layers <= s).all()
     # each layer's count is its heads' total evened out: within one entry of the mean
     assert ((layers[..., 0] - heads.sum(-1).float() / h).abs() <= 1).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(L=st.integers(1, 4), h=st.integers(1, 3), s=st.integers(8, 40), frac=st.floats(0.2, 1.0), seed=st.integers(0, 99))
+def test_fitted_widths_are_the_longest_global_prefix_whose_padded_layers_fit(L, h, s, frac, seed):
+    """alloc="fit": walk the global ranking one entry at a time; stop before the first entry that would
+    widen some layer past the budget of L·target slots per head. Each layer keeps its widest head's count."""
+    g = torch.Generator().manual_seed(seed)
+    scores = [torch.rand(2, h, s, generator=g) * (l + 1) for l in range(L)]
+    sinks, window = 2, 3
+    target = max(int(frac * s), sinks + window)
+    fit = global_counts(scores, target, sinks, window, "fit")
+    assert (fit == fit[..., :1]).all()  # one width per layer and row: no padding
+    assert (fit[..., 0].sum(0) <= L * min(target, s)).all()
+    for r in range(2):
+        cand = sorted(((float(scores[l][r, j, i]), l, j) for l in range(L) for j in range(h)
+                       for i in range(s) if sinks <= i < s - window), key=lambda c: -c[0])
+        counts = torch.full((L, h), sinks + window)
+        for _, l, j in cand:
+            counts[l, j] += 1
+            if int(counts.amax(-1).sum()) > L * min(target, s):
+                counts[l, j] -= 1
+                break
+        assert torch.equal(fit[:, r, 0], counts.amax(-1))
 
 
 def test_top_slots_per_head_keeps_each_heads_own_top_entries_in_order():
@@ -92,10 +116,13 @@ def test_per_head_allocation_meets_the_budget_and_its_padding_gets_no_attention(
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
 
 
-def test_per_layer_allocation_pads_nothing_and_keeps_the_uniform_bytes():
+@pytest.mark.parametrize("spec", ["snapkv:alloc=layer:window=8", "snapkv:alloc=fit:window=8",
+                                  "kvzip:alloc=fit:window=8:chunk=64", "zipmerge:alloc=fit:window=8"])
+def test_per_layer_and_fitted_allocation_pad_nothing_and_keep_the_uniform_bytes(spec):
     model = tiny_model(num_hidden_layers=3)
-    _, uniform, _ = _compressed(model, "snapkv:window=8")
-    method, layered, _ = _compressed(model, "snapkv:alloc=layer:window=8")
+    _, uniform, _ = _compressed(model, spec.replace("alloc=layer", "alloc=uniform").replace("alloc=fit", "alloc=uniform"))
+    method, layered, _ = _compressed(model, spec)
+    assert layered.cache.allocated_bytes <= uniform.cache.allocated_bytes
     entries = [layered.cache.layers[i].entries for i in layered.cache.compressible]
     assert len(set(entries)) > 1  # layers differ
     assert all(not torch.isinf(layered.cache.layers[i].full_log_n()).any() for i in layered.cache.compressible)
@@ -123,7 +150,7 @@ def test_global_allocation_greedy_generation_runs_and_refuses_what_it_cannot_do(
     for name in ("evictmerge", "surprisemerge", "d2o"):  # a base's alloc would be ignored: refused
         with pytest.raises(ValueError, match="alloc='head' would be ignored"):
             kvmerge.get_method(name, base=kvmerge.get_method("snapkv", alloc="head"))
-    with pytest.raises(ValueError, match="alloc must be one of uniform, layer, head"):
+    with pytest.raises(ValueError, match="alloc must be one of uniform, layer, head, fit"):
         kvmerge.method_from_spec("snapkv:alloc=global", 0.25)
 
 

@@ -132,7 +132,7 @@ class Method:
         `has_decode_policy`): may shrink `layer` (a `MergedLayer`) given the step's query `(b, hq, 1, d)`."""
 
 
-ALLOCATIONS = ("uniform", "layer", "head")
+ALLOCATIONS = ("uniform", "layer", "head", "fit")
 
 
 @dataclass
@@ -147,6 +147,9 @@ class ScoringMethod(Method):
     a batch may differ, and shorter rows are padded). "head": each
     (layer, head) keeps its own count; a layer's heads are padded to its largest count with empty
     slots (log-mass -inf, no attention), which are real memory and counted in the cache's bytes.
+    "fit": the per-head global ranking with that padding paid for: the longest prefix of the ranking
+    whose layers, each as wide as its widest head, fit in the uniform bytes; every head of a layer keeps
+    that width, its would-be padding filled with its own next-best entries (no empty slots).
     Global allocation needs a one-shot compression of rows without padding."""
 
     alloc: str = "uniform"

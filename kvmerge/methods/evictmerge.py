@@ -32,7 +32,7 @@ class EvictMerge(ScoringMethod):
     `exact`: this fraction of the budget is picked first by `exact_by`'s scores (outside sinks and
     window) and absorbs nothing; `whole`: the exact share's last pick is completed (all entries
     scoring as it does, e.g. its whole sentence) when there is room.
-    `alloc` ("layer", "head"; needs recent=0, exact=0): the kept entries are chosen by global
+    `alloc` ("layer", "head", "fit"; needs recent=0, exact=0): the kept entries are chosen by global
     allocation over every layer and head (`ScoringMethod`), then the rest merge into them as above;
     a head's padding slots absorb nothing and stay empty.
     """

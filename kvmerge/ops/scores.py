@@ -139,24 +139,30 @@ def reconstruction_attention(queries, keys, log_n, sinks: int, scaling: float, r
     return torch.stack(out)
 
 
-def global_counts(scores: list[torch.Tensor], target: int, sinks: int, window: int, per_head: bool) -> torch.Tensor:
+def global_counts(scores: list[torch.Tensor], target: int, sinks: int, window: int, mode: str) -> torch.Tensor:
     """How many entries each (layer, row, head) keeps when the budget is spent globally (KVzip, AdaKV).
 
     scores: one `(b, h, s)` per layer (same b, h, s). Every head keeps its protected sinks + window;
     the rest of the row's L·h·`target` entries go to the highest unprotected scores over every layer
-    and head together. `per_head`: counts per (layer, row, head); else the counts of each layer are
-    evened out over its heads (one count per layer and row, the total kept). → `(L, b, h)` long,
-    each row summing to at most L·h·`target`.
+    and head together. `mode`:
+    * "head": counts per (layer, row, head), as picked (a layer's heads are later padded to its largest);
+    * "layer": each layer's picks evened out over its heads (one count per layer and row, the total kept);
+    * "fit": the per-head picks with the padding paid for: the longest prefix of the global ranking whose
+      layers, each as wide as its widest head, fit in L·`target` slots per head; every head of a layer
+      then keeps that width (its padding filled with its own next-best entries).
+    → `(L, b, h)` long; "head" and "layer" rows sum to at most L·h·`target`, "fit" rows' layer widths
+    (max over heads) sum to at most L·`target`.
     """
     L, (b, h, s) = len(scores), scores[0].shape
     target = min(target, s)
     protected = min(sinks + window, s)
     free = torch.stack([fill_protected(x, sinks, window, float("-inf")) for x in scores], 1)  # (b, L, h, s)
+    if mode == "fit":
+        return _fitted_widths(free, protected, L * target).permute(1, 0, 2).contiguous()
     pool = L * h * max(target - protected, 0)
     picked = free.reshape(b, -1).topk(pool, dim=1).indices // s if pool else free.new_zeros(b, 0, dtype=torch.long)
-    counts = protected + torch.zeros(b, L * h, dtype=torch.long, device=free.device).scatter_add_(
-        1, picked, torch.ones_like(picked)).view(b, L, h)
-    if not per_head:  # each layer's total over its heads, floored, the remainders to the largest fractions
+    counts = protected + _per_head(picked, L * h).view(b, L, h)
+    if mode == "layer":  # each layer's total over its heads, floored, the remainders to the largest fractions
         total = counts.sum(-1)  # (b, L)
         even, extra = total // h, total % h
         spare = (extra.sum(-1, keepdim=True) // h)  # whole entries per head left to hand out, per row
@@ -164,6 +170,31 @@ def global_counts(scores: list[torch.Tensor], target: int, sinks: int, window: i
         bonus = torch.zeros_like(even).scatter_(-1, order, (torch.arange(L, device=even.device) < spare).long())
         counts = (even + bonus).clamp(max=s)[..., None].expand(b, L, h)
     return counts.permute(1, 0, 2).contiguous()
+
+
+def _per_head(picked: torch.Tensor, heads: int) -> torch.Tensor:
+    """Flat (layer·head) indices `(b, k)` → how many fall in each of `heads` groups `(b, heads)`."""
+    return torch.zeros(picked.shape[0], heads, dtype=torch.long, device=picked.device).scatter_add_(
+        1, picked, torch.ones_like(picked))
+
+
+def _fitted_widths(free: torch.Tensor, protected: int, slots: int) -> torch.Tensor:
+    """free `(b, L, h, s)` unprotected scores (-inf where protected) → `(b, L, h)` widths: for each row,
+    the most top-ranked entries k such that Σ_layers max_head(protected + picks) ≤ `slots` (found by
+    bisection: the sum only grows with k), each layer's width given to all its heads."""
+    b, L, h, s = free.shape
+    order = free.reshape(b, -1).argsort(dim=1, descending=True, stable=True) // s  # (b, L·h·s) → layer·head
+    out = []
+    for r in range(b):
+        def widths(k):
+            return (protected + _per_head(order[r:r + 1, :k], L * h).view(L, h)).amax(-1)
+
+        lo, hi = 0, L * h * (s - protected)  # widths(lo) fits (if anything does), find the largest k that does
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if int(widths(mid).sum()) <= slots else (lo, mid - 1)
+        out.append(widths(lo).clamp(max=s)[:, None].expand(L, h))
+    return torch.stack(out)
 
 
 def top_slots_per_head(scores: torch.Tensor, counts: torch.Tensor, sinks: int, window: int):
