@@ -191,3 +191,4 @@ def test_zipmerge_is_kvzip_global_picks_with_evictmerge_merging_and_refuses_chun
     with pytest.raises(ValueError, match="one-shot compression"):
         kvmerge.generate_ids(model, random_ids(300, seed=1), [3], kvmerge.get_method("zipmerge", window=8),
                              max_new_tokens=2, prefill_chunk=128, tokenizer=TinyTokenizer())
+

@@ -139,6 +139,36 @@ def reconstruction_attention(queries, keys, log_n, sinks: int, scaling: float, r
     return torch.stack(out)
 
 
+def echo_attention(queries, keys, log_n, scaling: float, cos, sin, own: int = 16, block: int = 256):
+    """KVzip's reconstruction scores guessed from the prefill's own queries, with no second forward.
+
+    queries `(hq, q, d)` post-RoPE, of the positions of the last q of the s keys `(h, s, d)`; log_n
+    `(h, s)` or None; cos, sin `(d,)` a RoPE rotation by Δ (about the context's length: where a repeat
+    of the context would ask each query again). Each query, moved Δ on, attends to all s keys; beside
+    them, as the repeat's own recent keys, it sees its last `own` keys at their true distance (causal).
+    → `(h, q)`: for each of the last q keys, the highest probability any query head of its group gives it
+    at any position (softmax over the s keys and the `own` ones)."""
+    hq, q, d = queries.shape
+    h, s, _ = keys.shape
+    g = hq // h
+    moved = queries.float() * cos + torch.cat([-queries[..., d // 2:], queries[..., :d // 2]], -1).float() * sin
+    at = torch.arange(s - q, s, device=keys.device)  # each query's own position among the key slots
+    near = at[:, None] - torch.arange(own, device=keys.device)  # (q, own): its last `own` slots
+    bias = torch.zeros(h, s, device=keys.device) if log_n is None else log_n.float()
+    out = torch.zeros(h, s, device=keys.device)
+    for j in range(h):
+        k = keys[j].float()
+        for c in range(0, q, block):
+            z = moved[j * g:(j + 1) * g, c:c + block] @ k.T * scaling + bias[j]  # (g, blk, s)
+            idx = near[c:c + block]
+            z_own = torch.einsum("gbd,bod->gbo", queries[j * g:(j + 1) * g, c:c + block].float(),
+                                 k[idx.clamp(min=0)]) * scaling + bias[j][idx.clamp(min=0)]
+            z_own = z_own.masked_fill(idx < 0, float("-inf"))
+            lse = torch.logaddexp(torch.logsumexp(z, -1, keepdim=True), torch.logsumexp(z_own, -1, keepdim=True))
+            out[j] = torch.maximum(out[j], z.sub_(lse).amax((0, 1)).exp())
+    return out[:, s - q:]
+
+
 def global_counts(scores: list[torch.Tensor], target: int, sinks: int, window: int, mode: str) -> torch.Tensor:
     """How many entries each (layer, row, head) keeps when the budget is spent globally (KVzip, AdaKV).
 

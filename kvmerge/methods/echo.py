@@ -1,0 +1,67 @@
+"""Echo (kvmerge's own): KVzip's scores guessed from the prefill's own queries, without its second forward."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.scores import echo_attention
+from .base import CarriedScores, ScoringMethod
+from .registry import register
+
+
+@register
+@dataclass
+class Echo(CarriedScores, ScoringMethod):
+    """KVzip keeps what the model attends to while repeating the context. A repeat's query for token t
+    is much like the prefill's own query at t (the same token, the same text before it), asked about
+    one context length later. Echo takes every prefill query, rotates it `shift` positions on (RoPE;
+    default: the tokens seen), and lets it attend to the whole prompt, beside its own last `own` keys
+    at their true distance (standing in for the repeat's own recent tokens): an entry's score is the
+    highest probability any query head of its KV group gives it (`ops.scores.echo_attention`).
+    Costs the prefill's attention once more (n² per head), not a second forward. Selection as any
+    `ScoringMethod` (`alloc` included); under chunked prefill each chunk's queries score its own
+    fresh entries and kept entries keep their scores."""
+
+    own: int = 16
+    shift: int = 0
+    name = "echo"
+    query_window = -1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.own < 0 or self.shift < 0:
+            raise ValueError(f"echo needs own >= 0 and shift >= 0, got own={self.own}, shift={self.shift}")
+
+    def setup(self, model, tokenizer):
+        rotary = model.get_decoder().rotary_emb
+        typed = "layer_type" in inspect.signature(rotary.forward).parameters  # Gemma 3: per layer type
+        probe = next(model.parameters())
+
+        def rotation(delta: int):
+            x = torch.zeros((), dtype=torch.float32, device=probe.device)
+            ids = torch.tensor([[delta]], device=probe.device)
+            cos, sin = rotary(x, ids, "full_attention") if typed else rotary(x, ids)
+            return cos[0, 0].float(), sin[0, 0].float()
+
+        self._rotation = rotation
+
+    def before_compress(self, session, token_rows, layers):
+        self._memo = session.memo  # shared by every restore of one prefill: one pass serves every budget
+
+    def scores(self, keys, log_n, ctx):
+        if ctx.queries is None:
+            raise ValueError("echo needs the prompt's queries (prefill)")
+        if not hasattr(self, "_rotation"):
+            raise ValueError("echo reads the model's rotary embedding: compress through a Session")
+        memo = getattr(self, "_memo", {})
+        key = ("echo", self.own, self.shift, ctx.layer_idx, tuple(ctx.rows.tolist()), keys.shape[2], ctx.seen)
+        if key not in memo:
+            fresh = min(ctx.queries.shape[2], keys.shape[2])
+            cos, sin = self._rotation(self.shift or ctx.seen or keys.shape[2])
+            memo[key] = torch.stack([echo_attention(ctx.queries[b, :, -fresh:], keys[b],
+                                                    None if log_n is None else log_n[b], ctx.scaling, cos, sin,
+                                                    self.own) for b in range(keys.shape[0])])
+        return self.with_carried(memo[key], keys.shape[2], ctx)
