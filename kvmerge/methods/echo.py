@@ -49,7 +49,10 @@ class Echo(CarriedScores, ScoringMethod):
         self._rotation = rotation
 
     def before_compress(self, session, token_rows, layers):
-        self._memo = session.memo  # shared by every restore of one prefill: one pass serves every budget
+        from ..session import Session
+
+        # a Session's memo is shared by every restore of one prefill: one pass serves every budget
+        self._memo = session.memo if isinstance(session, Session) else {}
 
     def scores(self, keys, log_n, ctx):
         if ctx.queries is None:
