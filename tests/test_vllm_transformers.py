@@ -1,4 +1,4 @@
-"""The plugin against kvmerge's transformers runtime: snapkv (eviction), evictmerge (merging: entries
+"""The plugin against kvmerge's transformers runtime: snapkv and echo (eviction), evictmerge (merging: entries
 with log-mass, attended through the extra key channel) and expectmerge (merging whose picks need each
 prompt token's surprisal and Expected Attention's rotation) at 25% inside vLLM give the same greedy tokens,
 with the same log-probabilities, as `kvmerge.Session` on kvmerge's NIAH prompts of ~2.1k tokens, while
@@ -30,7 +30,7 @@ TOKENS, BLOCK = 32, 32
 # blocks include blocks freed by the ones before; evictmerge: a roomy pool and all 4 prompts in one step.
 # expectmerge: all 4 in one step too, each layer's compression deferred until the step's logits exist.
 SETTINGS = {"snapkv": dict(num_gpu_blocks_override=130), "evictmerge": dict(max_num_batched_tokens=9000),
-            "expectmerge": dict(max_num_batched_tokens=9000)}
+            "expectmerge": dict(max_num_batched_tokens=9000), "echo": dict(num_gpu_blocks_override=130)}
 pytestmark = pytest.mark.skipif(not MAIN_PYTHON.exists() or not (MODEL / "model.safetensors").exists(),
                                 reason="needs kvmerge's main venv (.venv: make setup) and the converted SmolLM2")
 
@@ -54,7 +54,7 @@ def first_divergence(got_tokens, got_logprobs, want) -> dict:
     return out
 
 
-@pytest.mark.parametrize("method", ["snapkv", "evictmerge", "expectmerge"])
+@pytest.mark.parametrize("method", ["snapkv", "evictmerge", "expectmerge", "echo"])
 def test_method_matches_the_transformers_runtime_and_frees_blocks(monkeypatch, prompts, method):
     from vllm import envs
 
@@ -79,9 +79,9 @@ def test_method_matches_the_transformers_runtime_and_frees_blocks(monkeypatch, p
     assert all(r["first_divergence"] is None for r in report), report
     assert max(r["max_logprob_diff"] for r in report) < 1e-3, report
     assert len(stats) == 4 and peak == 4, (stats, peak)  # on snapkv's pool stock vLLM runs one at a time
-    assert together == {"snapkv": 1, "evictmerge": 4, "expectmerge": 4}[method]
+    assert together == {"snapkv": 1, "evictmerge": 4, "expectmerge": 4, "echo": 1}[method]
     for p, s in zip(prompts, [stats[k] for k in sorted(stats, key=lambda k: int(k.split("-")[0]))]):
         budget = round(0.25 * len(p["ids"]))
-        assert s["prompt"] == len(p["ids"]) and budget <= s["kept"] < budget + (BLOCK if method == "snapkv" else 1)
+        assert s["prompt"] == len(p["ids"]) and budget <= s["kept"] < budget + (BLOCK if method in ("snapkv", "echo") else 1)
         assert s["freed"] == (s["prompt"] - s["kept"]) // BLOCK and s["listed"] == math.ceil(s["prompt"] / BLOCK)
         assert s["held"] <= math.ceil(s["kept"] / BLOCK) + 1  # the budget's blocks plus at most one
