@@ -60,3 +60,41 @@ def test_surprisemerge_keeps_a_mid_context_needle_that_eviction_loses(smol):
     assert score(answers["surprisemerge"].text, s.answer) == 1.0
     assert score(answers["streamingllm"].text, s.answer) == 0.0 and score(answers["snapkv"].text, s.answer) == 0.0
     assert answers["surprisemerge"].stats["cache_bytes"] <= 0.26 * answers["surprisemerge"].stats["full_cache_bytes"]
+
+
+@pytest.mark.ci_slow
+def test_echo_ranks_entries_as_kvzips_reconstruction_does(smol):
+    """echo guesses KVzip's scores from the prefill's own queries: on a 1k context of prose its global
+    top 25% (all layers and heads together) shares most entries with KVzip's, far above what SnapKV's
+    observation-window scores share with KVzip's."""
+    from kvmerge import Session
+    from kvmerge.methods import LayerContext
+    from kvmerge.model import attention_scaling
+    from kvmerge_eval.niah import haystack
+
+    model, tok = smol
+    ids = tok(" ".join(haystack(tok, 1024)))["input_ids"][:1024]
+    kvzip = kvmerge.get_method("kvzip")
+    session = Session(model, 1, kvzip, tok)
+    with torch.inference_mode():
+        session.forward([ids], capture=-1)
+        layers = list(session.cache.compressible)
+        kvzip.before_compress(session, [ids], layers)
+        truth = torch.stack([session.memo[next(iter(session.memo))][i][0] for i in layers])  # (L, h, n)
+        guesses = {}
+        for name in ("echo", "snapkv"):
+            method = kvmerge.get_method(name)
+            method.setup(model, tok)
+            method.before_compress(session, [ids], layers)
+            guesses[name] = torch.stack([method.scores(session.cache.layers[i].keys, None, LayerContext(
+                layer_idx=i, num_layers=len(layers), target=256, sinks=4, window=32,
+                scaling=attention_scaling(model.config), queries=session.states[i].queries,
+                rows=torch.arange(1), seen=len(ids)))[0] for i in layers])
+
+    def overlap(a, b):
+        k = a.numel() // 4
+        return len(set(a.flatten().topk(k).indices.tolist()) & set(b.flatten().topk(k).indices.tolist())) / k
+
+    echo, snap = overlap(truth, guesses["echo"]), overlap(truth, guesses["snapkv"])
+    print(f"top-25% overlap with KVzip: echo {echo:.3f}, snapkv {snap:.3f}")
+    assert echo > 0.6 and echo > snap + 0.2, (echo, snap)
