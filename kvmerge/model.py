@@ -62,6 +62,25 @@ def attention_scaling(config) -> float:
     return (getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5
 
 
+def rotary_cos_sin(model):
+    """The model's own RoPE as a function: positions `(n,)` → (cos, sin), each `(n, head_dim)` float32, of
+    its full-attention layers (Gemma 3 keeps one rotary per layer type). Reads only the decoder's rotary
+    embedding and the device of a parameter."""
+    import inspect
+
+    rotary = model.get_decoder().rotary_emb
+    typed = "layer_type" in inspect.signature(rotary.forward).parameters
+    device = next(model.parameters()).device
+
+    def cos_sin(positions: torch.Tensor):
+        ids = positions[None].to(device)
+        x = torch.zeros((), dtype=torch.float32, device=device)
+        cos, sin = rotary(x, ids, "full_attention") if typed else rotary(x, ids)
+        return cos[0].float(), sin[0].float()
+
+    return cos_sin
+
+
 def _bundled_gguf(name: str) -> Path:
     """The bundled model's GGUF file, found without importing its package (SmolLM2's imports a
     plugin host); Gemma's chunk packages are assembled once into the cache dir."""

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 
+from ..model import rotary_cos_sin
 from ..ops.scores import echo_attention
 from .base import CarriedScores, ScoringMethod
 from .registry import register
@@ -36,17 +36,7 @@ class Echo(CarriedScores, ScoringMethod):
             raise ValueError(f"echo needs own >= 0 and shift >= 0, got own={self.own}, shift={self.shift}")
 
     def setup(self, model, tokenizer):
-        rotary = model.get_decoder().rotary_emb
-        typed = "layer_type" in inspect.signature(rotary.forward).parameters  # Gemma 3: per layer type
-        probe = next(model.parameters())
-
-        def rotation(delta: int):
-            x = torch.zeros((), dtype=torch.float32, device=probe.device)
-            ids = torch.tensor([[delta]], device=probe.device)
-            cos, sin = rotary(x, ids, "full_attention") if typed else rotary(x, ids)
-            return cos[0, 0].float(), sin[0, 0].float()
-
-        self._rotation = rotation
+        self._cos_sin = rotary_cos_sin(model)
 
     def before_compress(self, session, token_rows, layers):
         from ..session import Session
@@ -57,13 +47,13 @@ class Echo(CarriedScores, ScoringMethod):
     def scores(self, keys, log_n, ctx):
         if ctx.queries is None:
             raise ValueError("echo needs the prompt's queries (prefill)")
-        if not hasattr(self, "_rotation"):
+        if not hasattr(self, "_cos_sin"):
             raise ValueError("echo reads the model's rotary embedding: compress through a Session")
         memo = getattr(self, "_memo", {})
         key = ("echo", self.own, self.shift, ctx.layer_idx, tuple(ctx.rows.tolist()), keys.shape[2], ctx.seen)
         if key not in memo:
             fresh = min(ctx.queries.shape[2], keys.shape[2])
-            cos, sin = self._rotation(self.shift or ctx.seen or keys.shape[2])
+            cos, sin = (x[0] for x in self._cos_sin(torch.tensor([self.shift or ctx.seen or keys.shape[2]])))
             memo[key] = torch.stack([echo_attention(ctx.queries[b, :, -fresh:], keys[b],
                                                     None if log_n is None else log_n[b], ctx.scaling, cos, sin,
                                                     self.own) for b in range(keys.shape[0])])

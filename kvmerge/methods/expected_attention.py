@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 
+from ..model import rotary_cos_sin
+from ..ops.scores import rotate_half
 from .base import ScoringMethod
 from .registry import register
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
 
 
 @register
@@ -35,17 +31,7 @@ class ExpectedAttention(ScoringMethod):
     query_window = -1
 
     def setup(self, model, tokenizer):
-        rotary = model.get_decoder().rotary_emb
-        typed = "layer_type" in inspect.signature(rotary.forward).parameters  # Gemma 3: per layer type
-        probe = next(model.parameters())
-
-        def cos_sin(positions: torch.Tensor):
-            ids = positions[None].to(probe.device)
-            x = torch.zeros((), dtype=torch.float32, device=probe.device)
-            cos, sin = rotary(x, ids, "full_attention") if typed else rotary(x, ids)
-            return cos[0].float(), sin[0].float()
-
-        self._cos_sin = cos_sin
+        self._cos_sin = rotary_cos_sin(model)
 
     def statistics(self, queries: torch.Tensor, seen: int):
         """Post-RoPE queries `(b, hq, n, d)` of positions seen − n … seen − 1 → (μ̄ `(b, hq, d)`,

@@ -139,6 +139,12 @@ def reconstruction_attention(queries, keys, log_n, sinks: int, scaling: float, r
     return torch.stack(out)
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """RoPE's pairing (transformers' convention): x = [x1, x2] → [−x2, x1] on the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
 def echo_attention(queries, keys, log_n, scaling: float, cos, sin, own: int = 16, block: int = 256):
     """KVzip's reconstruction scores guessed from the prefill's own queries, with no second forward.
 
@@ -148,10 +154,10 @@ def echo_attention(queries, keys, log_n, scaling: float, cos, sin, own: int = 16
     them, as the repeat's own recent keys, it sees its last `own` keys at their true distance (causal).
     → `(h, q)`: for each of the last q keys, the highest probability any query head of its group gives it
     at any position (softmax over the s keys and the `own` ones)."""
-    hq, q, d = queries.shape
+    hq, q, _ = queries.shape
     h, s, _ = keys.shape
     g = hq // h
-    moved = queries.float() * cos + torch.cat([-queries[..., d // 2:], queries[..., :d // 2]], -1).float() * sin
+    moved = queries.float() * cos + rotate_half(queries.float()) * sin
     at = torch.arange(s - q, s, device=keys.device)  # each query's own position among the key slots
     near = at[:, None] - torch.arange(own, device=keys.device)  # (q, own): its last `own` slots
     bias = torch.zeros(h, s, device=keys.device) if log_n is None else log_n.float()
