@@ -82,9 +82,10 @@ def test_expected_attention_equals_a_direct_computation_from_pre_rope_queries():
     assert s.cache.entries == [20, 20]
 
 
-def _kvzip_explicit(queries, keys, sinks, chunk, scaling, plus=None):
+def _kvzip_explicit(queries, keys, sinks, chunk, scaling, plus=None, log_n=None):
     """KVzip's score written out: query head by query head, position by position. `plus`: KVzip+'s
-    (attention-input norm per position `(q,)`, values `(h, k, d)`, o_proj weight `(hidden, hq·d)`)."""
+    (attention-input norm per position `(q,)`, values `(h, k, d)`, o_proj weight `(hidden, hq·d)`);
+    `log_n` `(h, k)`: merged entries' log-mass in the logits."""
     hq, q, d = queries.shape
     h = keys.shape[0]
     best = torch.zeros(h, chunk)
@@ -92,7 +93,8 @@ def _kvzip_explicit(queries, keys, sinks, chunk, scaling, plus=None):
         kv = head // (hq // h)  # GQA: query head → its KV head
         for j in range(q):
             visible = keys[kv, :sinks + chunk + j + 1]  # sinks, chunk, own keys up to itself
-            probs = torch.softmax(visible @ queries[head, j] * scaling, -1)
+            bias = 0 if log_n is None else log_n[kv, :sinks + chunk + j + 1]
+            probs = torch.softmax(visible @ queries[head, j] * scaling + bias, -1)
             if plus is not None:
                 norms, values, w_o = plus
                 through = values[kv, :sinks + chunk + j + 1] @ w_o[:, head * d:(head + 1) * d].T  # (k, hidden)
@@ -101,11 +103,14 @@ def _kvzip_explicit(queries, keys, sinks, chunk, scaling, plus=None):
     return best
 
 
-def test_reconstruction_attention_equals_the_explicit_softmax_with_gqa():
+@pytest.mark.parametrize("block", [1, 2, 64])
+@pytest.mark.parametrize("merged", [False, True])
+def test_reconstruction_attention_equals_the_explicit_softmax_with_gqa(block, merged):
     torch.manual_seed(0)
     queries, keys = torch.randn(6, 5, 8), torch.randn(2, 3 + 7 + 5, 8)
-    got = kvmerge.ops.scores.reconstruction_attention(queries, keys, None, sinks=3, scaling=0.3)
-    assert torch.allclose(got, _kvzip_explicit(queries, keys, 3, 7, 0.3), atol=1e-6)
+    log_n = torch.rand(2, 15).mul(2).log1p() if merged else None
+    got = kvmerge.ops.scores.reconstruction_attention(queries, keys, log_n, sinks=3, scaling=0.3, block=block)
+    assert torch.allclose(got, _kvzip_explicit(queries, keys, 3, 7, 0.3, log_n=log_n), atol=1e-6)
 
 
 def _kvzip_session(model, ctx, chunk, plus=False):
