@@ -137,11 +137,13 @@ def test_kvzip_reconstruction_repeats_the_context_chunk_by_chunk():
     assert m._turn_end == [10 + ord("\n")]  # no chat template: a newline opens the answer
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("plus", [False, True])
-def test_kvzip_scores_equal_an_explicit_reconstruction_and_the_probe_leaves_the_cache_as_it_was(plus):
+def test_kvzip_scores_equal_an_explicit_reconstruction_and_the_probe_leaves_the_cache_as_it_was(plus, arch):
     from kvmerge.model import attention_scaling
     from .conftest import random_ids, tiny_model
-    model, ctx = tiny_model(), random_ids(60, seed=5)
+    from .test_hybrid import gemma3
+    model, ctx = gemma3() if arch == "gemma3" else tiny_model(), random_ids(60, seed=5)
     m, s, fed = _kvzip_session(model, ctx, chunk=30, plus=plus)
     scaling = attention_scaling(model.config)
     reference = kvmerge.Session(model, 1)
