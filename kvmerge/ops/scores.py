@@ -135,7 +135,8 @@ def reconstruction_attention(queries, keys, log_n, sinks: int, scaling: float, r
     for j in range(h):  # one KV head at a time: (g, block, k) logits
         keys_t = keys[j].float().T * scaling
         group = queries[j * g:(j + 1) * g].float()
-        log_col = None if column_scale is None else column_scale[j * g:(j + 1) * g, None, sinks:sinks + chunk].float().log()
+        log_col = (None if column_scale is None
+                   else column_scale[j * g:(j + 1) * g, None, sinks:sinks + chunk].float().log())
         for s in range(0, q, block):
             logits = group[:, s:s + block] @ keys_t
             if log_n is not None:
