@@ -135,12 +135,13 @@ def reconstruction_attention(queries, keys, log_n, sinks: int, scaling: float, r
     for j in range(h):  # one KV head at a time: (g, block, k) logits
         keys_t = keys[j].float().T * scaling
         group = queries[j * g:(j + 1) * g].float()
+        bias = None if log_n is None else log_n[j].float()
         log_col = (None if column_scale is None
                    else column_scale[j * g:(j + 1) * g, None, sinks:sinks + chunk].float().log())
         for s in range(0, q, block):
             logits = group[:, s:s + block] @ keys_t
-            if log_n is not None:
-                logits += log_n[j].float()
+            if bias is not None:
+                logits += bias
             logits[..., k - q:] += causal[s:s + block]
             part = logits[..., sinks:sinks + chunk].sub_(logits.logsumexp(-1, keepdim=True))
             if log_row is not None:
