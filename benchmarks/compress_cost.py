@@ -22,11 +22,12 @@ def main():
     p.add_argument("--budget", type=float, default=0.25)
     p.add_argument("--methods", default="all", help="comma-separated specs, or all")
     p.add_argument("--model", default=None)
+    p.add_argument("--threads", type=int, default=2, help="torch threads (1 beside another job on 2 cores)")
     p.add_argument("--surprisal-exact-below", type=int, default=None,
                    help="vocabulary size from which surprisal's normaliser is estimated (0: always)")
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     if args.surprisal_exact_below is not None:
         kvmerge.model.EXACT_SURPRISAL_BELOW = args.surprisal_exact_below
     model, tok = kvmerge.load_model(args.model)

@@ -1,8 +1,8 @@
-"""How much the estimated softmax normaliser (vocabularies of 65,536 ids or more) changes surprisal and
-surprisemerge's exact share, and what it saves, on one model:
+"""How much the estimated softmax normaliser (vocabularies of 32,768 ids or more) changes surprisal and
+surprisemerge's exact share, and what it saves, on one model (the second argument: the threshold):
 
     .venv/bin/python benchmarks/surprisal_estimate.py gemma3-270m
-    .venv/bin/python benchmarks/surprisal_estimate.py smollm2-135m 0   # force the estimate (49k ids)
+    .venv/bin/python benchmarks/surprisal_estimate.py smollm2-135m
 """
 import sys, torch, kvmerge
 from kvmerge.model import token_surprisal

@@ -1,5 +1,7 @@
 """Surprisal selection and exact picks: the plumbing, the sentence scores, what stays exact."""
 
+import functools
+
 import torch
 
 import kvmerge
@@ -89,7 +91,8 @@ def test_whole_completes_the_last_sentence_of_the_exact_share_when_there_is_room
     assert int(m._exact_slots(keys, torch.zeros(1, 2, 60), ctx, 14, 10).sum(-1).max()) == 2
 
 
-def test_estimated_normaliser_is_exact_when_its_sample_covers_the_vocabulary():
+def test_estimated_normaliser_is_exact_when_its_sample_covers_the_vocabulary(monkeypatch):
+    import kvmerge.model as km
     from kvmerge.model import token_surprisal
 
     model = tiny_model(vocab_size=3000)
@@ -98,7 +101,9 @@ def test_estimated_normaliser_is_exact_when_its_sample_covers_the_vocabulary():
     with torch.no_grad():
         _, hidden, x, _ = s._feed(ids.tolist(), hidden=True)
         exact = token_surprisal(model, hidden, x)  # 3000 ids: below the threshold, exact
-        covered = token_surprisal(model, hidden, x, exact_below=100)  # the tail sample (16k) is all the rest
+        with monkeypatch.context() as m:  # a tail sample as large as the vocabulary is all the rest
+            m.setattr(km, "_normaliser_ids", functools.partial(km._normaliser_ids, tail=3000))
+            covered = token_surprisal(model, hidden, x, exact_below=100)
         loss = torch.nn.functional.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:], reduction="none")
     assert torch.allclose(exact[0, 1:], loss, atol=1e-4)
     assert torch.allclose(covered, exact, atol=1e-4)
