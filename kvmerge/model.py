@@ -168,7 +168,7 @@ def token_surprisal(model, hidden: torch.Tensor, ids: torch.Tensor, chunk: int =
     and the ids `(b, n)`; position 0 (nothing to predict it from) scores 0. The LM head runs `chunk`
     positions at a time. A vocabulary of `exact_below` ids or more (default: the module's
     `EXACT_SURPRISAL_BELOW`, read at call time) gets an estimated normaliser (see `_normaliser_ids`),
-    so that SmolLM2's 49k-id head costs about a fifth as much and a 262k-id head a tenth."""
+    so that the LM head costs about a fifth (49k ids) to a tenth (262k ids) as much."""
     head = model.get_output_embeddings()
     cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
 

@@ -124,3 +124,15 @@ def test_the_estimate_threshold_is_read_at_call_time(monkeypatch):
         monkeypatch.setattr(km, "EXACT_SURPRISAL_BELOW", 0)
         km.token_surprisal(model, hidden, x)
         assert calls == [1]
+
+
+def test_the_estimate_samples_a_sixteenth_of_the_rest_of_the_vocabulary_at_most_16384():
+    import kvmerge.model as km
+
+    hidden, ids = torch.zeros(1, 64, 4), torch.arange(10)[None]
+    for vocab, want in ((3000, 187), (49152, 3072), (262144, 16384)):
+        def logits_of(h, vocab=vocab):
+            return torch.arange(vocab, dtype=torch.float32).expand(*h.shape[:-1], vocab)
+        shortlist, sample = km._normaliser_ids(logits_of, hidden, ids, vocab)
+        assert set(shortlist.tolist()) == set(range(10)) | set(range(vocab - 256, vocab))  # own ids and the top
+        assert len(sample) == want and not set(sample.tolist()) & set(shortlist.tolist())
