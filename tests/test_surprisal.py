@@ -5,6 +5,7 @@ import functools
 import torch
 
 import kvmerge
+import kvmerge.model as km
 from kvmerge.methods.base import LayerContext
 from kvmerge.ops.scores import sentence_mean
 
@@ -92,26 +93,21 @@ def test_whole_completes_the_last_sentence_of_the_exact_share_when_there_is_room
 
 
 def test_estimated_normaliser_is_exact_when_its_sample_covers_the_vocabulary(monkeypatch):
-    import kvmerge.model as km
-    from kvmerge.model import token_surprisal
-
     model = tiny_model(vocab_size=3000)
     ids = torch.tensor([random_ids(200, seed=11, vocab=3000)])
     s = kvmerge.Session(model, 1)
     with torch.no_grad():
         _, hidden, x, _ = s._feed(ids.tolist(), hidden=True)
-        exact = token_surprisal(model, hidden, x)  # 3000 ids: below the threshold, exact
+        exact = km.token_surprisal(model, hidden, x)  # 3000 ids: below the threshold, exact
         with monkeypatch.context() as m:  # a tail sample as large as the vocabulary is all the rest
             m.setattr(km, "_normaliser_ids", functools.partial(km._normaliser_ids, tail=3000))
-            covered = token_surprisal(model, hidden, x, exact_below=100)
+            covered = km.token_surprisal(model, hidden, x, exact_below=100)
         loss = torch.nn.functional.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:], reduction="none")
     assert torch.allclose(exact[0, 1:], loss, atol=1e-4)
     assert torch.allclose(covered, exact, atol=1e-4)
 
 
 def test_the_estimate_threshold_is_read_at_call_time(monkeypatch):
-    import kvmerge.model as km
-
     model = tiny_model(vocab_size=3000)
     s = kvmerge.Session(model, 1)
     with torch.no_grad():
@@ -126,9 +122,7 @@ def test_the_estimate_threshold_is_read_at_call_time(monkeypatch):
         assert calls == [1]
 
 
-def test_the_estimate_samples_a_sixteenth_of_the_rest_of_the_vocabulary_at_most_16384():
-    import kvmerge.model as km
-
+def test_the_estimate_samples_a_sixteenth_of_the_vocabulary_at_most_16384_outside_the_shortlist():
     hidden, ids = torch.zeros(1, 64, 4), torch.arange(10)[None]
     for vocab, want in ((3000, 187), (49152, 3072), (262144, 16384)):
         def logits_of(h, vocab=vocab):
