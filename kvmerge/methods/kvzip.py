@@ -61,7 +61,7 @@ class KVzip(CarriedScores, ScoringMethod):
     def before_compress(self, session, token_rows, layers):
         if token_rows is None:
             raise ValueError("kvzip needs the prompt's token ids to reconstruct it")
-        key = (self.name, self.chunk, self.postfix, self.sinks, self.plus)  # one pass serves every budget
+        key = ("kvzip", self.chunk, self.postfix, self.sinks, self.plus)  # one pass serves every budget and variant
         if key not in session.memo:
             session.memo[key] = self._reconstruct(session, token_rows, layers)
         for i in layers:

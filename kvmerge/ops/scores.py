@@ -186,6 +186,18 @@ def echo_attention(queries, keys, log_n, scaling: float, cos, sin, own: int = 16
     return out[:, s - q:]
 
 
+def guard_saturated(scores, order, saturated: float, level: float = 0.5):
+    """`scores` `(b, h, s)` with each saturated head (more than `saturated` of its entries above `level`)
+    reordered by `order` `(b, h, s)`: the head's own score values, sorted, handed out by `order`'s rank
+    (the same multiset, so any allocation by value is unchanged; `order`'s ties kept in position order)."""
+    hot = (scores > level).float().mean(-1, keepdim=True) > saturated
+    if not bool(hot.any()):
+        return scores
+    values = scores.sort(-1, descending=True).values
+    rank = torch.argsort(order.float(), dim=-1, descending=True, stable=True)
+    return torch.where(hot, torch.empty_like(scores).scatter_(-1, rank, values), scores)
+
+
 def global_counts(scores: list[torch.Tensor], target: int, sinks: int, window: int, mode: str) -> torch.Tensor:
     """How many entries each (layer, row, head) keeps when the budget is spent globally (KVzip, AdaKV).
 

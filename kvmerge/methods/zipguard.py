@@ -1,0 +1,71 @@
+"""ZipGuard (kvmerge's own): KVzip's scores, with its copy heads ranked by another method."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ops.scores import guard_saturated
+from .base import ScoringMethod
+from .kvzip import KVzip
+from .mixed_attention import MixedAttention
+from .registry import register
+
+
+@register
+@dataclass
+class ZipGuard(KVzip):
+    """KVzip's reconstruction scores (see `kvzip`), except in the heads where they cannot rank: a head
+    that copies the context while repeating it gives most entries a probability near 1, so its order
+    says little. A head is saturated when more than `saturated` of its entries score above `level`; its
+    scores are then reordered by `fallback`'s scores for the same entries: the head keeps exactly the
+    multiset of its own KVzip scores outside sinks and window (so global allocation gives it the same
+    count), but those entries are ranked as `fallback` ranks them (`ops.scores.guard_saturated`). Heads that are not saturated
+    keep KVzip's scores unchanged, so on a model without copy heads this is KVzip.
+
+    Selection as any `ScoringMethod` (`alloc="fit"` is KVzip's global ranking in real bytes); as the
+    `base` of `evictmerge`, the evicted entries merge into these picks. Costs KVzip's second prefill
+    plus `fallback`'s own scoring."""
+
+    fallback: ScoringMethod = field(default_factory=MixedAttention)
+    saturated: float = 0.25
+    level: float = 0.5
+    name = "zipguard"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.saturated <= 1.0:
+            raise ValueError(f"zipguard needs saturated in [0, 1], got {self.saturated}")
+        if getattr(type(self.fallback), "scores", ScoringMethod.scores) is ScoringMethod.scores:
+            raise TypeError(f"zipguard's fallback must be a scoring method, got {type(self.fallback).__name__}")
+        if getattr(self.fallback, "alloc", "uniform") != "uniform":
+            raise ValueError("zipguard uses its fallback's scores, not its selection: set zipguard's own alloc")
+
+    @property
+    def query_window(self) -> int:
+        return self.fallback.query_window
+
+    @property
+    def needs_surprisal(self) -> bool:
+        return self.fallback.needs_surprisal
+
+    def setup(self, model, tokenizer):
+        super().setup(model, tokenizer)
+        self.fallback.setup(model, tokenizer)
+
+    def before_compress(self, session, token_rows, layers):
+        super().before_compress(session, token_rows, layers)
+        self.fallback.before_compress(session, token_rows, layers)
+
+    def scores(self, keys, log_n, ctx):
+        zipped = super().scores(keys, log_n, ctx)
+        order = self.fallback.scores(keys, log_n, ctx).to(zipped.device)
+        n = zipped.shape[-1]
+        lo = min(ctx.sinks, n)
+        hi = max(n - ctx.window, lo)  # protected slots keep their scores: the free ones' multiset is KVzip's
+        out = zipped.clone()
+        out[..., lo:hi] = guard_saturated(zipped[..., lo:hi], order[..., lo:hi], self.saturated, self.level)
+        return out
+
+    def selected(self, idx, ctx):
+        super().selected(idx, ctx)
+        self.fallback.selected(idx, ctx)
