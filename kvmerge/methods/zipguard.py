@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..ops.scores import guard_saturated
+from ..ops.scores import guard_saturated, round_robin
 from .base import ScoringMethod
 from .kvzip import KVzip
-from .mixed_attention import MixedAttention
-from .registry import register
+from .registry import get_method, register
 
 
 @register
@@ -17,7 +16,8 @@ class ZipGuard(KVzip):
     """KVzip's reconstruction scores (see `kvzip`), except in the heads where they cannot rank: a head
     that copies the context while repeating it gives most entries a probability near 1, so its order
     says little. A head is saturated when more than `saturated` of its entries score above `level`; its
-    scores are then reordered by `fallback`'s scores for the same entries: the head keeps exactly the
+    scores are then reordered by `fallback`'s scores for the same entries (comma-separated scoring methods, each with its
+    defaults; several are merged turn by turn, `ops.scores.round_robin`, so each ranks an equal part): the head keeps exactly the
     multiset of its own KVzip scores outside sinks and window (so global allocation gives it the same
     count), but those entries are ranked as `fallback` ranks them (`ops.scores.guard_saturated`). Heads that are not saturated
     keep KVzip's scores unchanged, so on a model without copy heads this is KVzip.
@@ -26,7 +26,7 @@ class ZipGuard(KVzip):
     `base` of `evictmerge`, the evicted entries merge into these picks. Costs KVzip's second prefill
     plus `fallback`'s own scoring."""
 
-    fallback: ScoringMethod = field(default_factory=MixedAttention)
+    fallback: str = "surprisal,echo,mixed_attention"
     saturated: float = 0.25
     level: float = 0.5
     name = "zipguard"
@@ -35,30 +35,33 @@ class ZipGuard(KVzip):
         super().__post_init__()
         if not 0.0 <= self.saturated <= 1.0:
             raise ValueError(f"zipguard needs saturated in [0, 1], got {self.saturated}")
-        if getattr(type(self.fallback), "scores", ScoringMethod.scores) is ScoringMethod.scores:
-            raise TypeError(f"zipguard's fallback must be a scoring method, got {type(self.fallback).__name__}")
-        if getattr(self.fallback, "alloc", "uniform") != "uniform":
-            raise ValueError("zipguard uses its fallback's scores, not its selection: set zipguard's own alloc")
+        self._fallbacks = [get_method(name.strip()) for name in str(self.fallback).split(",")]
+        for part in self._fallbacks:
+            if getattr(type(part), "scores", ScoringMethod.scores) is ScoringMethod.scores:
+                raise TypeError(f"zipguard's fallback must be scoring methods, got {part.name}")
 
     @property
     def query_window(self) -> int:
-        return self.fallback.query_window
+        windows = [part.query_window for part in self._fallbacks]
+        return -1 if min(windows) < 0 else max(windows)
 
     @property
     def needs_surprisal(self) -> bool:
-        return self.fallback.needs_surprisal
+        return any(part.needs_surprisal for part in self._fallbacks)
 
     def setup(self, model, tokenizer):
         super().setup(model, tokenizer)
-        self.fallback.setup(model, tokenizer)
+        for part in self._fallbacks:
+            part.setup(model, tokenizer)
 
     def before_compress(self, session, token_rows, layers):
         super().before_compress(session, token_rows, layers)
-        self.fallback.before_compress(session, token_rows, layers)
+        for part in self._fallbacks:
+            part.before_compress(session, token_rows, layers)
 
     def scores(self, keys, log_n, ctx):
         zipped = super().scores(keys, log_n, ctx)
-        order = self.fallback.scores(keys, log_n, ctx).to(zipped.device)
+        order = round_robin(*(part.scores(keys, log_n, ctx).to(zipped.device) for part in self._fallbacks))
         n = zipped.shape[-1]
         lo = min(ctx.sinks, n)
         hi = max(n - ctx.window, lo)  # protected slots keep their scores: the free ones' multiset is KVzip's
@@ -68,4 +71,5 @@ class ZipGuard(KVzip):
 
     def selected(self, idx, ctx):
         super().selected(idx, ctx)
-        self.fallback.selected(idx, ctx)
+        for part in self._fallbacks:
+            part.selected(idx, ctx)

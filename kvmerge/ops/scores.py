@@ -198,6 +198,20 @@ def guard_saturated(scores, order, saturated: float, level: float = 0.5):
     return torch.where(hot, torch.empty_like(scores).scatter_(-1, rank, values), scores)
 
 
+def round_robin(*scores):
+    """Rankings `(…, s)` (higher first) merged turn by turn: the best of the first, the best of the
+    second, …, then each one's second best; an entry two rankings share is placed at its earliest
+    turn → `(…, s)` float scores, higher first. After j turns of every ranking, exactly the union of
+    each ranking's top j entries is ahead of the rest."""
+    turn = None
+    for i, x in enumerate(scores):
+        order = torch.argsort(x.float(), dim=-1, descending=True, stable=True)
+        steps = torch.arange(x.shape[-1], device=x.device).expand_as(order).contiguous()
+        t = torch.empty_like(order).scatter_(-1, order, steps) * len(scores) + i
+        turn = t if turn is None else torch.minimum(turn, t)
+    return -turn.float()
+
+
 def global_counts(scores: list[torch.Tensor], target: int, sinks: int, window: int, mode: str) -> torch.Tensor:
     """How many entries each (layer, row, head) keeps when the budget is spent globally (KVzip, AdaKV).
 
