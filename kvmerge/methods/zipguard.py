@@ -15,18 +15,18 @@ from .registry import get_method, register
 class ZipGuard(KVzip):
     """KVzip's reconstruction scores (see `kvzip`), except in the heads where they cannot rank: a head
     that copies the context while repeating it gives most entries a probability near 1, so its order
-    says little. A head is saturated when more than `saturated` of its entries score above `level`; its
-    scores are then reordered by `fallback`'s scores for the same entries (comma-separated scoring methods, each with its
-    defaults; several are merged turn by turn, `ops.scores.round_robin`, so each ranks an equal part): the head keeps exactly the
-    multiset of its own KVzip scores outside sinks and window (so global allocation gives it the same
-    count), but those entries are ranked as `fallback` ranks them (`ops.scores.guard_saturated`). Heads that are not saturated
-    keep KVzip's scores unchanged, so on a model without copy heads this is KVzip.
+    says little. A head is saturated when more than `saturated` of its free entries (outside sinks and
+    window) score above `level`. Its free entries keep exactly the multiset of their KVzip scores, so
+    global allocation gives the head the same count, but are ranked by `fallback`
+    (`ops.scores.guard_saturated`): comma-separated scoring methods, each with its defaults, merged
+    turn by turn (`ops.scores.round_robin`), so that each ranks an equal part of the head's entries.
+    Heads that are not saturated keep KVzip's scores: on a model without copy heads this is KVzip.
 
     Selection as any `ScoringMethod` (`alloc="fit"` is KVzip's global ranking in real bytes); as the
-    `base` of `evictmerge`, the evicted entries merge into these picks. Costs KVzip's second prefill
-    plus `fallback`'s own scoring."""
+    `base` of `zipmerge` / `evictmerge`, the evicted entries merge into these picks. Costs KVzip's
+    second prefill plus the fallbacks' own scoring."""
 
-    fallback: str = "surprisal,echo,mixed_attention"
+    fallback: str = "surprisal"
     saturated: float = 0.25
     level: float = 0.5
     name = "zipguard"
