@@ -98,4 +98,4 @@ def test_zipguard_without_saturated_heads_is_kvzip_and_refuses_what_it_cannot_us
     with pytest.raises(ValueError, match="saturated in"):
         kvmerge.get_method("zipguard", saturated=1.5)
     with pytest.raises(TypeError, match="scoring method"):
-        kvmerge.get_method("zipguard", fallback="snapkv,full")
+        kvmerge.get_method("zipguard", fallback="snapkv+full")

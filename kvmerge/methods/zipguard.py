@@ -18,7 +18,7 @@ class ZipGuard(KVzip):
     says little. A head is saturated when more than `saturated` of its free entries (outside sinks and
     window) score above `level`. Its free entries keep exactly the multiset of their KVzip scores, so
     global allocation gives the head the same count, but are ranked by `fallback`
-    (`ops.scores.guard_saturated`): comma-separated scoring methods, each with its defaults, merged
+    (`ops.scores.guard_saturated`): scoring methods joined by `+`, each with its defaults, merged
     turn by turn (`ops.scores.round_robin`), so that each ranks an equal part of the head's entries.
     Heads that are not saturated keep KVzip's scores: on a model without copy heads this is KVzip.
 
@@ -35,7 +35,7 @@ class ZipGuard(KVzip):
         super().__post_init__()
         if not 0.0 <= self.saturated <= 1.0:
             raise ValueError(f"zipguard needs saturated in [0, 1], got {self.saturated}")
-        self._fallbacks = [get_method(name.strip()) for name in str(self.fallback).split(",")]
+        self._fallbacks = [get_method(name.strip()) for name in str(self.fallback).split("+")]
         for part in self._fallbacks:
             if getattr(type(part), "scores", ScoringMethod.scores) is ScoringMethod.scores:
                 raise TypeError(f"zipguard's fallback must be scoring methods, got {part.name}")
