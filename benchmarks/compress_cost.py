@@ -1,6 +1,8 @@
 """Compression cost against prefill, side by side in one run, on one bundled model: every shipped
 method by default, each compressing a copy of one prefill (a surprisal method's LM-head pass counts
-as compression, KVzip's reconstruction too; methods sharing KVzip's pass are timed alone).
+as compression, KVzip's reconstruction too). Methods built on KVzip's reconstruction (its variants,
+`zipmerge`, `zipguard`) share one pass per prefill: only the first listed pays for it, so time them
+in separate runs.
 
     .venv/bin/python benchmarks/compress_cost.py --model gemma3-270m --lengths 1024,2048,4096 --budget 0.25
 """
