@@ -249,6 +249,50 @@ def test_merges_calibrated_by_expected_attention_keep_its_selection_and_reproduc
     assert not torch.allclose(biased_sdpa(mu, k2, v2, ln2, scaling=ctx.scaling).transpose(1, 2), full, atol=1e-3)
 
 
+@pytest.mark.parametrize("alloc", ["uniform", "head"])
+def test_merges_calibrated_by_the_base_conserve_its_scores_mass_and_weighted_values(alloc):
+    """`calibrate_with="base"`: the weights are the base's own scores w. The picks are the base's,
+    kept keys stay, and over the kept slots Σ exp(log_n)·w_kept = Σ w and Σ exp(log_n)·w_kept·v =
+    Σ w·v over the whole head (every entry joins, mass and weighted values conserved)."""
+    from dataclasses import dataclass
+
+    from kvmerge.methods.base import ScoringMethod
+    from kvmerge.ops.scores import global_counts, top_slots, top_slots_per_head
+
+    g = torch.Generator().manual_seed(6)
+    b, h, s, d = 1, 3, 40, 8
+    keys, values = torch.randn(b, h, s, d, generator=g), torch.randn(b, h, s, d, generator=g)
+    w = torch.rand(b, h, s, generator=g) ** 3
+
+    @dataclass
+    class Fixed(ScoringMethod):
+        name = "fixed"
+
+        def scores(self, keys, log_n, ctx):
+            return w
+
+    m = kvmerge.get_method("evictmerge", base=Fixed(), budget=16, sinks=4, window=4, recent=0.0, calibrate_with="base",
+                           alloc=alloc)
+    ctx = LayerContext(0, 1, target=16, sinks=4, window=4, scaling=d ** -0.5, values=values, seen=s)
+    if alloc == "head":
+        from kvmerge.methods.base import LayerState
+        ctx.state = LayerState()
+        ctx.state.scratch["_alloc_scores"] = w
+        ctx.state.scratch["_alloc_counts"] = global_counts([w], 16, 4, 4, "head")[0]
+        idx, empty = top_slots_per_head(w, ctx.state.scratch["_alloc_counts"], 4, 4)
+    else:
+        idx, empty = top_slots(w, 16, 4, 4), torch.zeros(b, h, 16, dtype=torch.bool)
+    k, v, ln = m.compress(keys, values, torch.zeros(b, h, s), ctx)
+    live = ~empty
+    assert torch.equal(k[live], keys.gather(2, idx[..., None].expand(-1, -1, -1, d))[live])  # the base's picks
+    mass = ln.exp() * w.gather(-1, idx) * live
+    assert torch.allclose(mass.sum(-1), w.sum(-1), rtol=1e-5)
+    assert torch.allclose((mass[..., None] * v).sum(2), (w[..., None] * values).sum(2), atol=1e-5)
+    with pytest.raises(ValueError, match="negative"):
+        w.sub_(0.5)
+        m.compress(keys, values, torch.zeros(b, h, s), ctx)
+
+
 def test_calibrate_with_names_its_choices():
     with pytest.raises(ValueError, match="calibrate_with"):
         kvmerge.get_method("evictmerge", calibrate_with="expectation")

@@ -28,6 +28,9 @@ class EvictMerge(ScoringMethod):
     means of keys and values, log-count bias, mass conserved). `calibrate_with="expected"`: the
     weights are Expected Attention's expected probabilities instead (`base`'s own `probabilities` when
     it is `expected_attention` or `mixed_attention`, so merges follow the model its picks were made by).
+    `calibrate_with="base"`: the weights are `base`'s own scores, which must be non-negative (KVzip's,
+    `zipguard`'s, `echo`'s: the attention an entry got while the context was repeated), so an entry
+    the base ranks low shifts the value and logit of the entry it joins little.
     `recent`: the recent window grows to this fraction of the layer's budget (at least `window`).
     `exact`: this fraction of the budget is picked first by `exact_by`'s scores (outside sinks and
     window) and absorbs nothing; `whole`: the exact share's last pick is completed (all entries
@@ -54,8 +57,8 @@ class EvictMerge(ScoringMethod):
         if not 0.0 <= self.exact <= 1.0 or not 0.0 <= self.recent <= 1.0:
             raise ValueError(f"exact and recent must be fractions in [0, 1], got exact={self.exact}, "
                              f"recent={self.recent}")
-        if self.calibrate_with not in ("observed", "expected"):
-            raise ValueError(f"calibrate_with must be 'observed' or 'expected', got {self.calibrate_with!r}")
+        if self.calibrate_with not in ("observed", "expected", "base"):
+            raise ValueError(f"calibrate_with must be 'observed', 'expected' or 'base', got {self.calibrate_with!r}")
         self._expected = (self.base if isinstance(self.base, ExpectedAttention) else ExpectedAttention()) \
             if self.calibrate and self.calibrate_with == "expected" else None
         for part in ("base", "exact_by"):
@@ -76,7 +79,7 @@ class EvictMerge(ScoringMethod):
 
     @property
     def query_window(self) -> int:
-        observed = self.calibrate and self._expected is None
+        observed = self.calibrate and self.calibrate_with == "observed"
         windows = [p.query_window for p in self._parts()] + ([self.obs_window] if observed else [])
         return -1 if min(windows) < 0 else max(windows)
 
@@ -117,7 +120,7 @@ class EvictMerge(ScoringMethod):
             for part in self._parts():
                 part.selected(idx, ctx)
             return merge_into_kept(keys, values, log_n, idx, self.min_cosine, min(ctx.sinks, idx.shape[-1]),
-                                   self._weights(keys, log_n, ctx), empty)
+                                   self._weights(keys, log_n, ctx, scratch["_alloc_scores"]), empty)
         target = self.layer_target(ctx)
         window = max(ctx.window, round(self.recent * target))
         attention = self._expected.probabilities(keys, log_n, ctx) if self._expected is not None else None
@@ -132,13 +135,19 @@ class EvictMerge(ScoringMethod):
         for part in self._parts():
             part.selected(idx, ctx)
         if self.calibrate and attention is None:
-            attention = self._weights(keys, log_n, ctx)
+            attention = self._weights(keys, log_n, ctx, scores)
         return merge_into_kept(keys, values, log_n, idx, self.min_cosine, protect, attention)
 
-    def _weights(self, keys, log_n, ctx):
-        """Calibrated merging's per-slot weights `(b, h, s)` (None: count weights)."""
+    def _weights(self, keys, log_n, ctx, scores):
+        """Calibrated merging's per-slot weights `(b, h, s)` (None: count weights); `scores`: the
+        base's scores `(b, h, s)`, the weights under `calibrate_with="base"`."""
         if not self.calibrate:
             return None
+        if self.calibrate_with == "base":
+            if (scores < 0).any():
+                raise ValueError(f"{self.name}: calibrate_with='base' weighs merges by the base's scores, but "
+                                 f"{self.base.name}'s are negative; use 'observed' or 'expected'")
+            return scores.float()
         if self._expected is not None:
             return self._expected.probabilities(keys, log_n, ctx)
         return received_attention(ctx.queries[:, :, -self.obs_window:], keys, ctx.scaling, log_n)
