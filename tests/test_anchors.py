@@ -249,11 +249,14 @@ def test_merges_calibrated_by_expected_attention_keep_its_selection_and_reproduc
     assert not torch.allclose(biased_sdpa(mu, k2, v2, ln2, scaling=ctx.scaling).transpose(1, 2), full, atol=1e-3)
 
 
+@pytest.mark.parametrize("absorb", ["kept", "picks"])
 @pytest.mark.parametrize("alloc", ["uniform", "head"])
-def test_merges_calibrated_by_the_base_conserve_its_scores_mass_and_weighted_values(alloc):
+def test_merges_calibrated_by_the_base_conserve_its_scores_mass_and_weighted_values(alloc, absorb):
     """`calibrate_with="base"`: the weights are the base's own scores w. The picks are the base's,
     kept keys stay, and over the kept slots Σ exp(log_n)·w_kept = Σ w and Σ exp(log_n)·w_kept·v =
-    Σ w·v over the whole head (every entry joins, mass and weighted values conserved)."""
+    Σ w·v over the whole head (every entry joins, mass and weighted values conserved). With
+    `absorb="picks"` the sinks and window come out exactly as they went in, and a head with no pick
+    beside them evicts the rest."""
     from dataclasses import dataclass
 
     from kvmerge.methods.base import ScoringMethod
@@ -272,7 +275,7 @@ def test_merges_calibrated_by_the_base_conserve_its_scores_mass_and_weighted_val
             return w
 
     m = kvmerge.get_method("evictmerge", base=Fixed(), budget=16, sinks=4, window=4, recent=0.0, calibrate_with="base",
-                           alloc=alloc)
+                           alloc=alloc, absorb=absorb)
     ctx = LayerContext(0, 1, target=16, sinks=4, window=4, scaling=d ** -0.5, values=values, seen=s)
     if alloc == "head":
         from kvmerge.methods.base import LayerState
@@ -286,8 +289,18 @@ def test_merges_calibrated_by_the_base_conserve_its_scores_mass_and_weighted_val
     live = ~empty
     assert torch.equal(k[live], keys.gather(2, idx[..., None].expand(-1, -1, -1, d))[live])  # the base's picks
     mass = ln.exp() * w.gather(-1, idx) * live
-    assert torch.allclose(mass.sum(-1), w.sum(-1), rtol=1e-5)
-    assert torch.allclose((mass[..., None] * v).sum(2), (w[..., None] * values).sum(2), atol=1e-5)
+    protected = live & ((idx < 4) | (idx >= s - 4))
+    picked = (live & ~protected).any(-1)  # (b, h): a head with a pick beside sinks and window
+    if absorb == "picks":
+        assert torch.allclose(v[protected], values.gather(2, idx[..., None].expand(-1, -1, -1, d))[protected], atol=1e-6)
+        assert torch.allclose(ln[protected], torch.zeros_like(ln[protected]), atol=1e-6)
+        lonely = ~picked[..., None].expand_as(ln) & live  # kept slots of heads with no pick: nothing joined them
+        assert torch.allclose(ln[lonely], torch.zeros_like(ln[lonely]), atol=1e-6)
+    else:
+        picked = torch.ones_like(picked)
+    assert picked.any()
+    assert torch.allclose(mass.sum(-1)[picked], w.sum(-1)[picked], rtol=1e-5)
+    assert torch.allclose((mass[..., None] * v).sum(2)[picked], (w[..., None] * values).sum(2)[picked], atol=1e-5)
     with pytest.raises(ValueError, match="negative"):
         w.sub_(0.5)
         m.compress(keys, values, torch.zeros(b, h, s), ctx)
@@ -296,6 +309,8 @@ def test_merges_calibrated_by_the_base_conserve_its_scores_mass_and_weighted_val
 def test_calibrate_with_names_its_choices():
     with pytest.raises(ValueError, match="calibrate_with"):
         kvmerge.get_method("evictmerge", calibrate_with="expectation")
+    with pytest.raises(ValueError, match="absorb"):
+        kvmerge.get_method("zipmerge", absorb="window")
 
 
 def test_expectmerge_is_surprisemerge_on_mixed_attention_with_expected_calibration():

@@ -35,6 +35,8 @@ class EvictMerge(ScoringMethod):
     `exact`: this fraction of the budget is picked first by `exact_by`'s scores (outside sinks and
     window) and absorbs nothing; `whole`: the exact share's last pick is completed (all entries
     scoring as it does, e.g. its whole sentence) when there is room.
+    `absorb="picks"`: only `base`'s picks absorb; the sinks and the recent window keep their own
+    entries exactly, so a head that keeps nothing else evicts the rest instead of folding it in.
     `alloc` ("layer", "head", "fit"; needs recent=0, exact=0): the kept entries are chosen by global
     allocation over every layer and head (`ScoringMethod`), then the rest merge into them as above;
     a head's padding slots absorb nothing and stay empty.
@@ -50,6 +52,7 @@ class EvictMerge(ScoringMethod):
     exact: float = 0.0
     exact_by: ScoringMethod = field(default_factory=Surprisal)
     whole: bool = False
+    absorb: str = "kept"
     name = "evictmerge"
 
     def __post_init__(self):
@@ -57,6 +60,9 @@ class EvictMerge(ScoringMethod):
         if not 0.0 <= self.exact <= 1.0 or not 0.0 <= self.recent <= 1.0:
             raise ValueError(f"exact and recent must be fractions in [0, 1], got exact={self.exact}, "
                              f"recent={self.recent}")
+        if self.absorb not in ("kept", "picks"):
+            raise ValueError(f"absorb must be 'kept' (every kept entry but the sinks) or 'picks' (the base's "
+                             f"picks only), got {self.absorb!r}")
         if self.calibrate_with not in ("observed", "expected", "base"):
             raise ValueError(f"calibrate_with must be 'observed', 'expected' or 'base', got {self.calibrate_with!r}")
         self._expected = (self.base if isinstance(self.base, ExpectedAttention) else ExpectedAttention()) \
@@ -119,7 +125,8 @@ class EvictMerge(ScoringMethod):
             idx, empty = top_slots_per_head(scratch["_alloc_scores"], scratch["_alloc_counts"], ctx.sinks, ctx.window)
             for part in self._parts():
                 part.selected(idx, ctx)
-            return merge_into_kept(keys, values, log_n, idx, self.min_cosine, min(ctx.sinks, idx.shape[-1]),
+            protect = self._protected(idx, min(ctx.sinks, idx.shape[-1]), keys.shape[2], ctx.window)
+            return merge_into_kept(keys, values, log_n, idx, self.min_cosine, protect,
                                    self._weights(keys, log_n, ctx, scratch["_alloc_scores"]), empty)
         target = self.layer_target(ctx)
         window = max(ctx.window, round(self.recent * target))
@@ -136,7 +143,16 @@ class EvictMerge(ScoringMethod):
             part.selected(idx, ctx)
         if self.calibrate and attention is None:
             attention = self._weights(keys, log_n, ctx, scores)
+        protect = self._protected(idx, protect, keys.shape[2], window)
         return merge_into_kept(keys, values, log_n, idx, self.min_cosine, protect, attention)
+
+    def _protected(self, idx, protect, n, window):
+        """The kept slots that absorb nothing: `protect` (the first slots if an int, else a `(b, h, t)`
+        mask), and under `absorb="picks"` also the sinks and the last `window` of the n slots."""
+        if self.absorb == "kept":
+            return protect
+        first = torch.arange(idx.shape[-1], device=idx.device) < protect if isinstance(protect, int) else protect
+        return first | (idx < self.sinks) | (idx >= n - window)
 
     def _weights(self, keys, log_n, ctx, scores):
         """Calibrated merging's per-slot weights `(b, h, s)` (None: count weights); `scores`: the
