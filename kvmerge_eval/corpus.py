@@ -10,7 +10,7 @@ from pathlib import Path
 @functools.lru_cache(maxsize=4)
 def prose(path: str | None = None) -> str:
     """English prose: Python's own `pydoc_data.topics` (the language reference), a genre's text
-    (`genre_text`: docs, legal, code, table, dialogue), or a UTF-8 file."""
+    (`genre_text`: docs, legal, manual, code, table, dialogue), or a UTF-8 file."""
     if path in GENRES:
         return genre_text(path)
     if path is not None:
@@ -33,6 +33,43 @@ def sentences(text: str) -> list[str]:
 
 
 LICENCES = Path("/usr/share/common-licenses")
+MANUAL = Path("/usr/share/man/man1")
+# Commands of Debian's essential packages (coreutils, tar, grep, sed, findutils, gzip, diffutils):
+# their manual pages are the `manual` genre, and their names its keys.
+COMMANDS = ("basename", "cat", "chmod", "chown", "cmp", "comm", "cp", "csplit", "cut", "date", "dd", "df",
+            "diff", "diff3", "dirname", "du", "echo", "env", "expand", "expr", "find", "fmt", "fold", "grep",
+            "gzip", "head", "install", "join", "ln", "ls", "mkdir", "mktemp", "mv", "nice", "nl", "numfmt",
+            "od", "paste", "pr", "printf", "ptx", "readlink", "rm", "sdiff", "sed", "seq", "shred", "shuf",
+            "sort", "split", "stat", "stty", "sum", "tail", "tar", "tee", "timeout", "touch", "tr", "truncate",
+            "uniq", "wc", "xargs")
+
+
+def _roff_text(page: str) -> list[str]:
+    """A manual page's running text: paragraphs of the roff source with macros and escapes removed
+    (font macros keep their words; every other request ends a paragraph)."""
+    paragraphs, current = [], []
+    for line in page.splitlines():
+        if line.startswith((".", "'")):
+            macro, _, rest = line[1:].partition(" ")
+            if macro in ("B", "I", "BR", "BI", "IB", "IR", "RB", "RI", "SM"):
+                current.append(rest.replace('"', ""))
+                continue
+            if current:
+                paragraphs.append(" ".join(current))
+            current = []
+            continue
+        current.append(line)
+    if current:
+        paragraphs.append(" ".join(current))
+    out = []
+    for para in paragraphs:
+        para = re.sub(r"\\f(\(..|\[[^]]*\]|.)", "", para)  # font changes
+        para = re.sub(r"\\\(..|\\\[[^]]*\]", " ", para).replace("\\-", "-").replace("\\e", "\\")
+        para = re.sub(r"\\[&|^/,%:]", "", para).replace("\\ ", " ")
+        para = re.sub(r"\s+", " ", para).strip()
+        if len(para) > 120 and sum(c.isalpha() for c in para) > 0.7 * len(para):
+            out.append(para)
+    return out
 
 
 @functools.lru_cache(maxsize=8)
@@ -41,7 +78,7 @@ def genre_text(genre: str) -> str:
     `docs` Python's language reference; `legal` the licence texts in /usr/share/common-licenses and
     Python's own LICENSE.txt; `code` standard-library source; `table` rows of the Unicode database;
     `legal` depends on the licences the system ships (Debian's base-files: the same on every machine
-    of one image); `dialogue` two speakers' alternating turns made of the language reference's sentences (a
+    of one image); `manual` the manual pages of the commands in `COMMANDS` (section 1, as installed); `dialogue` two speakers' alternating turns made of the language reference's sentences (a
     dialogue's form, not its content: no dialogue corpus ships with the system)."""
     if genre == "docs":
         return prose()
@@ -59,6 +96,14 @@ def genre_text(genre: str) -> str:
                 if len(para) > 120 and sum(c.isalpha() for c in para) > 0.7 * len(para):
                     paragraphs.append(para)
         return "\n\n".join(dict.fromkeys(paragraphs))
+    if genre == "manual":
+        import gzip
+
+        pages = [MANUAL / f"{c}.1.gz" for c in COMMANDS if (MANUAL / f"{c}.1.gz").is_file()]
+        if not pages:
+            raise FileNotFoundError(f"the manual genre needs the manual pages of coreutils and friends: none in {MANUAL}")
+        paragraphs = [p for page in pages for p in _roff_text(gzip.open(page, "rt", encoding="utf-8", errors="replace").read())]
+        return "\n\n".join(dict.fromkeys(paragraphs))
     if genre == "code":
         import argparse, json.decoder, textwrap, inspect, dataclasses  # noqa: E401 - sources, not uses
 
@@ -75,4 +120,4 @@ def genre_text(genre: str) -> str:
     raise ValueError(f"unknown genre {genre!r}; genres: {', '.join(GENRES)}")
 
 
-GENRES = ("docs", "legal", "code", "table", "dialogue")
+GENRES = ("docs", "legal", "manual", "code", "table", "dialogue")

@@ -1,13 +1,14 @@
 """Task families that do not mark the fact as unusual: each writes its facts in the haystack's own
-register (no "special magic", no answer prefix) and asks by a paraphrase, on haystacks of two genres
-(`docs`: Python's language reference; `legal`: the licence texts every Debian system ships).
+register (no "special magic", no answer prefix) and asks by a paraphrase, on haystacks of three genres
+(`docs`: Python's language reference; `legal`: the licence texts every Debian system ships; `manual`:
+the manual pages of Debian's essential commands).
 
 Each generator: (tokenizer, n_tokens, seed, genre) → `Sample`, `meta["task"]` = "<family>/<genre>";
 answers are lists, scored by the fraction found in the prediction as whole words (`score`). Families:
 
 * `own_words`: one number stated mid-sentence in the genre's words, asked by a paraphrase;
   keys are names the genre uses itself (standard-library modules in the docs, section numbers in the
-  legal text), not out-of-place names;
+  legal text, command names in the manual pages), not out-of-place names;
 * `same_template_K` (K = 2, 4, 8): K facts written with one template, one of them asked;
 * `two_hop`: one statement points to another ("the same value as ..."), the question asks the first;
 * `counting`: how many sentences of one kind the context holds (2 to 6), answered as a digit.
@@ -20,7 +21,7 @@ import re
 
 from .niah import Sample, haystack
 
-GENRES = ("docs", "legal")
+GENRES = ("docs", "legal", "manual")
 
 # Keys are names the genre itself uses: standard-library module names in the docs, section numbers in
 # the legal text; {value} is a number.
@@ -47,6 +48,17 @@ OWN_WORDS = {  # genre → (statement, paraphrased question)
          "the form of the action or the theory of liability.",
          "What is the most the licensor can be liable for under Section {key}, in dollars?"),
     ],
+    "manual": [
+        ("By default, {key} waits {value} seconds for the device to respond before it gives up and exits with a "
+         "nonzero status.",
+         "How many seconds does {key} wait by default for a response before giving up?"),
+        ("Unless a larger limit is given on the command line, {key} reads at most {value} lines from standard "
+         "input and ignores the rest.",
+         "How many lines of standard input will {key} read if no other limit is set?"),
+        ("If the output file already exists, {key} keeps up to {value} numbered backups of it, removing the "
+         "oldest backup first.",
+         "How many numbered backups of an existing output file does {key} keep?"),
+    ],
 }
 SAME_TEMPLATE = {  # (statement, question): K facts, one asked by its key
     "docs": ("By default the buffer of the {key} module holds {value} bytes, and it grows only when a larger "
@@ -54,6 +66,8 @@ SAME_TEMPLATE = {  # (statement, question): K facts, one asked by its key
              "How many bytes does the {key} module's buffer hold by default?"),
     "legal": ("Under Section {key}, the fee payable by the recipient is {value} dollars per year.",
               "What yearly fee, in dollars, does Section {key} require the recipient to pay?"),
+    "manual": ("By default {key} uses a block size of {value} bytes when it writes to a pipe.",
+               "What block size, in bytes, does {key} use by default when writing to a pipe?"),
 }
 TWO_HOP = {  # (the pointing statement, the target statement, question)
     "docs": ("The {a} module always uses the same buffer size as the {b} module, whatever the platform.",
@@ -62,17 +76,27 @@ TWO_HOP = {  # (the pointing statement, the target statement, question)
     "legal": ("The period stated in Section {a} shall be equal to the period stated in Section {b}.",
               "The period stated in Section {b} is {value} days from the date of distribution.",
               "How many days is the period stated in Section {a}?"),
+    "manual": ("When no timeout is given, {a} uses the same default timeout as {b}.",
+               "The default timeout of {b} is {value} seconds.",
+               "How many seconds is the default timeout of {a}?"),
 }
 COUNTING = {  # (the counted sentence, question)
     "docs": ("A warning was reported while the {key} module was being compiled.",
              "How many warnings were reported while modules were being compiled? Answer with a digit."),
     "legal": ("A separate notice was attached for the component covered by Section {key}.",
               "How many separate notices were attached for components? Answer with a digit."),
+    "manual": ("A warning about an unknown option was printed by {key}.",
+               "How many warnings about an unknown option were printed? Answer with a digit."),
 }
 
 
 def _keys(genre: str, rng: random.Random, k: int) -> list[str]:
-    """k distinct keys of the genre: standard-library module names (docs) or section numbers (legal)."""
+    """k distinct keys of the genre: standard-library module names (docs), section numbers (legal) or
+    command names (manual)."""
+    if genre == "manual":
+        from .corpus import COMMANDS
+
+        return rng.sample(COMMANDS, k)
     if genre == "docs":
         import sys
 
