@@ -46,7 +46,9 @@ COMMANDS = ("basename", "cat", "chmod", "chown", "cmp", "comm", "cp", "csplit", 
 
 def _roff_text(page: str) -> list[str]:
     """A manual page's running text: paragraphs of the roff source with macros and escapes removed
-    (font macros keep their words; every other request ends a paragraph)."""
+    (font macros keep their words; every other request ends a paragraph). Deliberately simple, and
+    kept as measured: alternating-font macros (`.BR chmod .`) keep a space between their arguments,
+    and string escapes such as `\\*(lq` stay as written."""
     paragraphs, current = [], []
     for line in page.splitlines():
         if line.startswith((".", "'")):
@@ -99,10 +101,14 @@ def genre_text(genre: str) -> str:
     if genre == "manual":
         import gzip
 
-        pages = [MANUAL / f"{c}.1.gz" for c in COMMANDS if (MANUAL / f"{c}.1.gz").is_file()]
-        if not pages:
-            raise FileNotFoundError(f"the manual genre needs the manual pages of coreutils and friends: none in {MANUAL}")
-        paragraphs = [p for page in pages for p in _roff_text(gzip.open(page, "rt", encoding="utf-8", errors="replace").read())]
+        missing = [c for c in COMMANDS if not (MANUAL / f"{c}.1.gz").is_file()]
+        if missing:  # every page, or the haystacks would differ from machine to machine
+            raise FileNotFoundError(f"the manual genre needs the manual pages of {len(COMMANDS)} essential commands in "
+                                    f"{MANUAL}; missing: {', '.join(missing)}")
+        paragraphs = []
+        for c in COMMANDS:
+            with gzip.open(MANUAL / f"{c}.1.gz", "rt", encoding="utf-8", errors="replace") as f:
+                paragraphs += _roff_text(f.read())
         return "\n\n".join(dict.fromkeys(paragraphs))
     if genre == "code":
         import argparse, json.decoder, textwrap, inspect, dataclasses  # noqa: E401 - sources, not uses

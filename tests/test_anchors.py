@@ -266,6 +266,7 @@ def test_merges_calibrated_by_the_base_conserve_its_scores_mass_and_weighted_val
     b, h, s, d = 1, 3, 40, 8
     keys, values = torch.randn(b, h, s, d, generator=g), torch.randn(b, h, s, d, generator=g)
     w = torch.rand(b, h, s, generator=g) ** 3
+    w[0, 0, 4:s - 4] *= 1e-6  # a head whose free entries all score low: global allocation gives it no pick
 
     @dataclass
     class Fixed(ScoringMethod):
@@ -295,6 +296,7 @@ def test_merges_calibrated_by_the_base_conserve_its_scores_mass_and_weighted_val
         assert torch.allclose(v[protected], values.gather(2, idx[..., None].expand(-1, -1, -1, d))[protected], atol=1e-6)
         assert torch.allclose(ln[protected], torch.zeros_like(ln[protected]), atol=1e-6)
         lonely = ~picked[..., None].expand_as(ln) & live  # kept slots of heads with no pick: nothing joined them
+        assert lonely.any() == (alloc == "head")
         assert torch.allclose(ln[lonely], torch.zeros_like(ln[lonely]), atol=1e-6)
     else:
         picked = torch.ones_like(picked)

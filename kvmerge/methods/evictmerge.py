@@ -28,9 +28,9 @@ class EvictMerge(ScoringMethod):
     means of keys and values, log-count bias, mass conserved). `calibrate_with="expected"`: the
     weights are Expected Attention's expected probabilities instead (`base`'s own `probabilities` when
     it is `expected_attention` or `mixed_attention`, so merges follow the model its picks were made by).
-    `calibrate_with="base"`: the weights are `base`'s own scores, which must be non-negative (KVzip's,
-    `zipguard`'s, `echo`'s: the attention an entry got while the context was repeated), so an entry
-    the base ranks low shifts the value and logit of the entry it joins little.
+    `calibrate_with="base"`: the weights are `base`'s own scores, which must be non-negative (KVzip's
+    and `echo`'s: the attention an entry got while the context was repeated; `zipguard` reorders those
+    values in its copy heads), so an entry the base ranks low shifts the entry it joins little.
     `recent`: the recent window grows to this fraction of the layer's budget (at least `window`).
     `exact`: this fraction of the budget is picked first by `exact_by`'s scores (outside sinks and
     window) and absorbs nothing; `whole`: the exact share's last pick is completed (all entries
