@@ -44,6 +44,11 @@ COMMANDS = ("basename", "cat", "chmod", "chown", "cmp", "comm", "cp", "csplit", 
             "uniq", "wc", "xargs")
 
 
+def _running_text(para: str) -> bool:
+    """A paragraph of prose, not a heading, a list of options or a table: long and mostly letters."""
+    return len(para) > 120 and sum(c.isalpha() for c in para) > 0.7 * len(para)
+
+
 def _roff_text(page: str) -> list[str]:
     """A manual page's running text: paragraphs of the roff source with macros and escapes removed
     (font macros keep their words; every other request ends a paragraph). Deliberately simple, and
@@ -69,7 +74,7 @@ def _roff_text(page: str) -> list[str]:
         para = re.sub(r"\\\(..|\\\[[^]]*\]", " ", para).replace("\\-", "-").replace("\\e", "\\")
         para = re.sub(r"\\[&|^/,%:]", "", para).replace("\\ ", " ")
         para = re.sub(r"\s+", " ", para).strip()
-        if len(para) > 120 and sum(c.isalpha() for c in para) > 0.7 * len(para):
+        if _running_text(para):
             out.append(para)
     return out
 
@@ -95,7 +100,7 @@ def genre_text(genre: str) -> str:
         for f in files:
             for para in f.read_text(encoding="utf-8", errors="replace").split("\n\n"):
                 para = " ".join(line.strip() for line in para.splitlines())
-                if len(para) > 120 and sum(c.isalpha() for c in para) > 0.7 * len(para):
+                if _running_text(para):
                     paragraphs.append(para)
         return "\n\n".join(dict.fromkeys(paragraphs))
     if genre == "manual":
