@@ -70,16 +70,36 @@ def packed_sdpa(query, key, value, bias=None, scaling=None):
     return out.reshape(b, hq, q, value.shape[-1]).transpose(1, 2)
 
 
+def ragged_sdpa(query, heads, scaling=None):
+    """Attention over KV heads stored at their own lengths: query `(b, hq, q, d)`, `heads` one
+    `(keys (b, 1, s_h, d), values (b, 1, s_h, d), log_n (b, 1, s_h) or None)` per KV head, the last q
+    slots of each the new tokens → `(b, q, hq, d)`; equal to `biased_sdpa` over the heads padded to
+    one length with empty slots."""
+    rep = query.shape[1] // len(heads)
+    outs = []
+    for i, (key, value, log_n) in enumerate(heads):
+        part = query[:, i * rep:(i + 1) * rep]
+        if log_n is None and part.shape[2] == 1:
+            outs.append(packed_sdpa(part, key, value, None, scaling))
+        else:
+            log_n = torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device) if log_n is None else log_n
+            outs.append(biased_sdpa(part, key, value, log_n, scaling))
+    return torch.cat(outs, dim=2)
+
+
 def proportional_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                            is_causal=None, kvmerge_log_n=None, kvmerge_listener=None, kvmerge_window=None,
-                           **kwargs):
+                           kvmerge_heads=None, **kwargs):
     """Registered as transformers attention `"kvmerge"`. `kvmerge_log_n` `(b, hkv, s)`,
-    `kvmerge_window` (a sliding layer's window and positions) and `kvmerge_listener`
-    `(layer_idx, fn)` come from `MergedCache.update`; with another cache all are None and this is
-    stock causal SDPA."""
+    `kvmerge_window` (a sliding layer's window and positions), `kvmerge_heads` (a layer whose KV heads
+    have their own lengths, see `ragged_sdpa`) and `kvmerge_listener` `(layer_idx, fn)` come from
+    `MergedCache.update`; with another cache all are None and this is stock causal SDPA."""
     with torch.profiler.record_function("kvmerge::attention"):
-        out = _attention(module, query, key, value, attention_mask, dropout, scaling, kvmerge_log_n,
-                         kvmerge_window, **kwargs)
+        if kvmerge_heads is not None:
+            out = ragged_sdpa(query, kvmerge_heads, scaling)
+        else:
+            out = _attention(module, query, key, value, attention_mask, dropout, scaling, kvmerge_log_n,
+                             kvmerge_window, **kwargs)
     if kvmerge_listener is not None:
         layer_idx, listener = kvmerge_listener
         with torch.profiler.record_function("kvmerge::listener"):
@@ -119,19 +139,33 @@ def padding_free_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
     return None
 
 
+_active = [0]  # kvmerge_attention scopes open
+
+
+def attention_active() -> bool:
+    """Whether a `kvmerge_attention` scope is open (a ragged cache is read by kvmerge's attention only)."""
+    return _active[0] > 0
+
+
 @contextmanager
 def kvmerge_attention(model):
     """Run `model` with kvmerge's attention inside the block; its previous implementation is restored
     on exit (nested scopes are free). Identical to `sdpa` on a cache with nothing merged."""
     previous = model.config._attn_implementation
     if previous == ATTN_NAME:
-        yield model
+        _active[0] += 1
+        try:
+            yield model
+        finally:
+            _active[0] -= 1
         return
     if ATTN_NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTN_NAME, proportional_attention)
         AttentionMaskInterface.register(ATTN_NAME, padding_free_mask)
     model.set_attn_implementation(ATTN_NAME)
+    _active[0] += 1
     try:
         yield model
     finally:
+        _active[0] -= 1
         model.set_attn_implementation(previous)

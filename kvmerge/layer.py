@@ -5,6 +5,13 @@ and `log_n` is `(batch, kv_heads, slots)` float32: log of how many original toke
 for (0 for a plain token), `-inf` for an empty padding slot. `log_n is None` means "all zeros": the
 cache is then an ordinary cache and attention takes the stock SDPA path. `seen` counts the tokens
 appended, so new tokens keep their true positions however few entries remain.
+
+When a compression leaves the KV heads of a layer with different numbers of live slots (global
+per-head allocation), `compact` stores each head at its own length (`heads`: one single-head
+`MergedLayer` per KV head) instead of padding every head to the widest: the empty slots are not
+kept. The layer's `keys`/`values`/`log_n` then read as the padded layout it replaced (its empty
+slots where they were, as zeros with log_n -inf, then what was appended since), so every reader
+sees the same entries at the same slots; appends and kvmerge's attention use the heads directly.
 """
 
 from __future__ import annotations
@@ -33,19 +40,25 @@ class MergedLayer(DynamicLayer):
     def __init__(self, **kwargs):
         self._keys = self._values = self._log_n = None  # buffers (b, h, capacity, d) and (b, h, capacity)
         self._length = 0
+        self.heads: list[MergedLayer] | None = None  # ragged storage, one layer per KV head (see `compact`)
+        self._live = None  # ragged: (h, width) bool, the padded layout's slots each head keeps
         super().__init__(**kwargs)
         self.seen = 0
 
     # -- the tensors: views of the buffers ----------------------------------------------------
-    keys = property(lambda self: None if self._keys is None else self._keys[:, :, :self._length],
-                    lambda self, x: self._install(keys=x))
-    values = property(lambda self: None if self._values is None else self._values[:, :, :self._length],
-                      lambda self, x: self._install(values=x))
-    log_n = property(lambda self: None if self._log_n is None else self._log_n[:, :, :self._length],
-                     lambda self, x: self._install(log_n=x))
+    def _view(self, name: str) -> torch.Tensor | None:
+        if self.heads is not None:
+            return getattr(self.kv(), name)
+        buf = getattr(self, "_" + name)
+        return None if buf is None else buf[:, :, :self._length]
+
+    keys = property(lambda self: self._view("keys"), lambda self, x: self._install(keys=x))
+    values = property(lambda self: self._view("values"), lambda self, x: self._install(values=x))
+    log_n = property(lambda self: self._view("log_n"), lambda self, x: self._install(log_n=x))
 
     def _install(self, **tensors) -> None:
         """Plain assignment (transformers' own batch operations): the tensor becomes the buffer."""
+        self._dense()
         for name, x in tensors.items():
             setattr(self, f"_{name}", x)
             if x is not None and name != "log_n":
@@ -53,6 +66,7 @@ class MergedLayer(DynamicLayer):
 
     def drop_first(self, count: int) -> None:
         """Forget the first `count` slots (the buffers become views from there on)."""
+        self._dense()
         self._keys, self._values = self._keys[:, :, count:], self._values[:, :, count:]
         if self._log_n is not None:
             self._log_n = self._log_n[:, :, count:]
@@ -64,6 +78,10 @@ class MergedLayer(DynamicLayer):
 
     def reserve(self, slots: int) -> None:
         """Set the buffers' capacity to `slots` (at least the entries held), copying what is held."""
+        if self.heads is not None:  # room for as many appends in every head
+            for head in self.heads:
+                head.reserve(head.entries + slots - self.entries)
+            return
         if self._keys is None or self._keys.dim() < 4 or slots == self.capacity:
             return
         slots = max(slots, self._length)
@@ -81,6 +99,11 @@ class MergedLayer(DynamicLayer):
     def update(self, key_states, value_states, new_log_n: torch.Tensor | None = None):
         """Append `(b, h, q, d)` keys/values in place; `new_log_n` `(b, q)` is their log-mass (None: zeros)."""
         b, h, q, _d = key_states.shape
+        if self.heads is not None:
+            for i, head in enumerate(self.heads):
+                head.update(key_states[:, i:i + 1], value_states[:, i:i + 1], new_log_n)
+            self.seen += q
+            return key_states, value_states
         if not self.is_initialized or self.capacity == 0:
             self.lazy_initialization(key_states, value_states)
             self._keys, self._values = key_states.new_empty(b, h, 0, _d), value_states.new_empty(b, h, 0, _d)
@@ -109,10 +132,15 @@ class MergedLayer(DynamicLayer):
         raise NotImplementedError("kvmerge caches cannot be cropped (entries no longer map to tokens)")
 
     def reset(self) -> None:
+        self.heads, self._live = None, None
         self._keys = self._values = self._log_n = None
         self._length, self.seen, self.is_initialized = 0, 0, False
 
     def _map_batch(self, fn) -> None:
+        if self.heads is not None:
+            for head in self.heads:
+                head._map_batch(fn)
+            return
         log_n = self.log_n
         self.replace(fn(self.keys), fn(self.values), None if log_n is None else fn(log_n), fit=True)
 
@@ -128,11 +156,16 @@ class MergedLayer(DynamicLayer):
     # -- kvmerge ---------------------------------------------------------------------------
     @property
     def entries(self) -> int:
-        """Physical slots per (batch row, kv head), padding included."""
+        """Slots per (batch row, kv head), padding included (ragged heads: as the padded layout)."""
+        if self.heads is not None:
+            return self._live.shape[1] + self.heads[0].entries - int(self._live[0].sum())
         return 0 if self.keys is None or self.keys.numel() == 0 else self.keys.shape[-2]
 
     @property
     def nbytes(self) -> int:
+        """Bytes held: keys, values and log_n (ragged heads: each at its own length)."""
+        if self.heads is not None:  # the heads, and one byte per padded slot saying which each head keeps
+            return sum(head.nbytes for head in self.heads) + self._live.numel()
         if self.keys is None:
             return 0
         extra = 0 if self.log_n is None else self.log_n.numel() * self.log_n.element_size()
@@ -146,7 +179,53 @@ class MergedLayer(DynamicLayer):
         return torch.zeros(b, h, s, dtype=LOG_N_DTYPE, device=self.keys.device)
 
     def kv(self) -> KV:
-        return KV(self.keys, self.values, self.full_log_n())
+        if self.heads is None:
+            return KV(self.keys, self.values, self.full_log_n())
+        parts = []
+        width = self._live.shape[1]
+        for head, live in zip(self.heads, self._live):  # the padded layout, then the slots appended since
+            count = int(live.sum())
+            at = live.nonzero().squeeze(1)
+            part = []
+            for x, fill in zip(head.kv(), (0.0, 0.0, float("-inf"))):
+                padded = x.new_full((*x.shape[:2], width + x.shape[2] - count, *x.shape[3:]), fill)
+                padded[:, :, at] = x[:, :, :count]
+                padded[:, :, width:] = x[:, :, count:]
+                part.append(padded)
+            parts.append(part)
+        return KV(*(torch.cat(xs, 1) for xs in zip(*parts)))
+
+    def compact(self) -> bool:
+        """Store each KV head at its own length when some head's slots are empty in every batch row
+        (e.g. after global per-head allocation) and dropping them saves more than the one-byte-per-slot
+        mask costs; → whether it did. The slots dropped are exactly those empty slots, so attention and
+        `kv()` are unchanged while `nbytes` falls."""
+        if self.heads is not None or self._log_n is None or self.entries == 0:
+            return False
+        kv = self.kv()
+        live = ~torch.isinf(kv.log_n).all(0)  # (h, s): a slot some row still uses
+        slot_bytes = kv.keys.shape[0] * (kv.keys.shape[-1] * kv.keys.element_size()
+                                         + kv.values.shape[-1] * kv.values.element_size() + kv.log_n.element_size())
+        if (live.numel() - int(live.sum())) * slot_bytes <= live.numel():  # saves less than the mask costs
+            return False
+        heads = []
+        for i, keep in enumerate(live):
+            idx = keep.nonzero().squeeze(1)
+            head = MergedLayer()
+            head.is_initialized, head.device, head.seen = True, self.device, self.seen
+            head.replace(*(x[:, i:i + 1, idx] for x in kv), fit=True)
+            heads.append(head)
+        self.heads, self._live = heads, live
+        self._keys = self._values = self._log_n = None
+        self._length = 0
+        return True
+
+    def _dense(self) -> None:
+        """Back to one padded buffer (before any operation that writes the whole layer)."""
+        if self.heads is not None:
+            kv = self.kv()
+            self.heads, self._live = None, None
+            self._keys, self._values, self._log_n, self._length = kv.keys, kv.values, kv.log_n, kv.slots
 
     def replace(self, keys: torch.Tensor, values: torch.Tensor, log_n: torch.Tensor | None, fit: bool = False) -> None:
         """Install compressed tensors, written into the buffers when they fit and have the same batch
@@ -154,6 +233,7 @@ class MergedLayer(DynamicLayer):
         the fast path."""
         if log_n is not None and bool((log_n == 0).all()):
             log_n = None
+        self.heads, self._live = None, None
         n = keys.shape[2]
         if fit or self._keys is None or self._keys.dim() < 4 or n > self.capacity or keys.shape[:2] != self._keys.shape[:2]:
             self._keys, self._values = keys.clone(), values.clone()

@@ -185,7 +185,7 @@ class Session:
         layer)` right after each full-attention layer's attention with its post-RoPE queries
         `(b, hq, width, d)` and the layer holding the new keys last; then forget the feed: the cache
         and every counter are as before (appends never write below a layer's filled length)."""
-        marks = [dict(vars(layer)) for layer in self.cache.layers]
+        marks = [_fields(layer) for layer in self.cache.layers]
         counters = self.seen.clone(), self.plain.clone(), self.captured.clone(), self.memo
         self._probe = listener
         try:
@@ -193,8 +193,7 @@ class Session:
         finally:
             self._probe = None
             for layer, mark in zip(self.cache.layers, marks):
-                vars(layer).clear()
-                vars(layer).update(mark)
+                _set_fields(layer, mark)
             self.seen, self.plain, self.captured, self.memo = counters
 
     def use(self, method: Method, tokenizer=None) -> None:
@@ -274,6 +273,9 @@ class Session:
         finally:  # global allocation's per-layer counts and scores never outlive this call
             for state in states:
                 state.scratch.pop("_alloc_counts", None), state.scratch.pop("_alloc_scores", None)
+        if not method.has_decode_policy:  # heads left at different lengths are stored at their own
+            for layer in layers:
+                layer.compact()
         for state in self.states:
             state.queries = None
         self.captured.zero_()
@@ -308,7 +310,7 @@ class Session:
     def snapshot(self):
         """A copy of the cache and request state (the cache's buffers are written in place, so copied).
         Its `memo` is shared by every restore of it: what one method computes there, the next reuses."""
-        layers = [_copied(vars(layer)) for layer in self.cache.layers]
+        layers = [_fields(layer, clone=True) for layer in self.cache.layers]
         states = _copied_states(self.states)
         return (self.seen.clone(), self.plain.clone(), self.captured.clone(), self.memo), layers, states
 
@@ -316,7 +318,7 @@ class Session:
         (seen, plain, captured, self.memo), layers, states = snapshot
         self.seen, self.plain, self.captured = seen.clone(), plain.clone(), captured.clone()
         for layer, fields in zip(self.cache.layers, layers):
-            vars(layer).update(_copied(fields))
+            _set_fields(layer, fields, clone=True)
         self.states = _copied_states(states)
 
     def reserve(self, extra: int) -> None:
@@ -352,9 +354,23 @@ def _left_padded(rows: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def _copied(fields: dict) -> dict:
-    """A layer's attributes with its tensors cloned."""
-    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+def _fields(layer, clone: bool = False) -> dict:
+    """A layer's attributes (tensors cloned if `clone`), its per-head layers' (`heads`) included."""
+    out = {k: v.clone() if clone and isinstance(v, torch.Tensor) else v for k, v in vars(layer).items()}
+    if out.get("heads") is not None:
+        out["heads"] = [(head, _fields(head, clone)) for head in out["heads"]]
+    return out
+
+
+def _set_fields(layer, fields: dict, clone: bool = False) -> None:
+    """Give `layer` the attributes `fields` (from `_fields`) back, tensors cloned if `clone`."""
+    fields = dict(fields)
+    if fields.get("heads") is not None:
+        for head, own in fields["heads"]:
+            _set_fields(head, own, clone)
+        fields["heads"] = [head for head, _ in fields["heads"]]
+    vars(layer).clear()
+    vars(layer).update({k: v.clone() if clone and isinstance(v, torch.Tensor) else v for k, v in fields.items()})
 
 
 def _copied_states(states: list[LayerState]) -> list[LayerState]:

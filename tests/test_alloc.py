@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import kvmerge
 from kvmerge import Session
+from kvmerge.layer import MergedLayer
 from kvmerge.ops.scores import global_counts, top_slots_per_head
 
 from .conftest import TinyTokenizer, random_ids, tiny_model
@@ -90,30 +91,63 @@ def _compressed(model, spec, n=160):
     return method, session, logits
 
 
+def _live(layer):
+    """Row 0's live slots, head by head, as one flat tensor each of keys, values and log_n."""
+    kv = layer.kv()
+    live = ~torch.isinf(kv.log_n[0])
+    return [torch.cat([x[0, j][live[j]].flatten() for j in range(live.shape[0])]) for x in kv]
+
+
+def _padded(model, spec, monkeypatch):
+    """The same compression with every head padded to its layer's widest (no ragged storage)."""
+    with monkeypatch.context() as m:
+        m.setattr(MergedLayer, "compact", lambda self: False)
+        return _compressed(model, spec)
+
+
 @pytest.mark.parametrize("spec", ["snapkv:alloc=head:window=8", "kvzip:alloc=head:window=8:chunk=64",
                                   "expected_attention:alloc=head:window=8",
                                   "evictmerge:base=kvzip:alloc=head:recent=0:window=8"])
-def test_per_head_allocation_meets_the_budget_and_its_padding_gets_no_attention(spec):
+def test_per_head_allocation_meets_the_budget_in_bytes_and_equals_the_padded_layout(spec, monkeypatch):
+    """Each head is stored at its own count: the bytes are the budget's entries exactly, and attention,
+    decoding and the layer's padded view are those of the layout padding every head to the widest."""
     model = tiny_model(num_hidden_layers=3)
-    method, session, _ = _compressed(model, spec)
+    method, session, first = _compressed(model, spec)
+    _, padded, padded_first = _padded(model, spec, monkeypatch)
     layers = [session.cache.layers[i] for i in session.cache.compressible]
-    live = torch.stack([(~torch.isinf(layer.full_log_n())).sum(-1) for layer in layers])  # (L, b, h)
-    assert int(live.sum()) == len(layers) * live.shape[-1] * method.target(160)  # the global budget, exactly
-    assert (live >= method.sinks + method.window).all()
-    assert len({int(x) for x in live.flatten()}) > 1  # the counts do differ
-    widths = [layer.entries for layer in layers]
-    assert all(w == int(c.max()) for w, c in zip(widths, live))  # each layer padded to its largest head
-    before = session.forward([[7, 8, 9]])
-    _, again, _ = _compressed(model, spec)  # the same compression; its padding slots scrambled
-    scrambled = 0
-    for layer in [again.cache.layers[i] for i in again.cache.compressible]:
-        empty = torch.isinf(layer.full_log_n())
-        scrambled += int(empty.sum())
-        layer.keys[empty] = 50.0
-        layer.values[empty] = -50.0
-    assert scrambled
-    after = again.forward([[7, 8, 9]])
-    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+    flat = [padded.cache.layers[i] for i in padded.cache.compressible]
+    live = torch.stack([(~torch.isinf(layer.full_log_n()[0])).sum(-1) for layer in flat])  # (L, h)
+    assert int(live.sum()) == live.numel() * method.target(160)  # the global budget, exactly
+    assert (live >= method.sinks + method.window).all() and len({int(x) for x in live.flatten()}) > 1
+    assert [layer.entries for layer in flat] == [int(c.max()) for c in live]  # padded to the widest head
+    d = model.config.hidden_size // model.config.num_attention_heads
+    for ragged, dense, counts in zip(layers, flat, live):
+        saved = (len(counts) * dense.entries - int(counts.sum())) * (2 * d * 4 + 4)
+        assert (ragged.heads is not None) == (saved > len(counts) * dense.entries)  # ragged iff that saves bytes
+        if ragged.heads is None:
+            assert ragged.nbytes == dense.nbytes
+            continue
+        assert [head.entries for head in ragged.heads] == counts.tolist()
+        assert ragged.nbytes == sum(c * (2 * d * 4 + (0 if head.log_n is None else 4))  # and a byte per
+                                    for c, head in zip(counts.tolist(), ragged.heads)) + len(counts) * dense.entries  # slot
+    assert sum(layer.nbytes for layer in layers) < sum(layer.nbytes for layer in flat)
+    for ragged, dense in zip(layers, flat):  # the same entries in the same order, head by head
+        assert ragged.entries == dense.entries and all(torch.equal(a, b) for a, b in zip(_live(ragged), _live(dense)))
+    torch.testing.assert_close(first, padded_first)
+    for step in ([[7, 8, 9]], [[11]], [[12]]):  # a chunk, then decoding steps: appended to every head
+        torch.testing.assert_close(session.forward(step), padded.forward(step), atol=1e-5, rtol=1e-5)
+    for ragged, dense in zip(layers, flat):
+        assert ragged.entries == dense.entries
+        for a, b in zip(_live(ragged), _live(dense)):
+            torch.testing.assert_close(a, b)
+
+    empty = 0  # the padded layout's empty slots get no attention: scrambling them changes nothing
+    for layer in flat:
+        mask = torch.isinf(layer.full_log_n())
+        empty += int(mask.sum())
+        layer.keys[mask], layer.values[mask] = 50.0, -50.0
+    assert empty
+    torch.testing.assert_close(padded.forward([[13]]), session.forward([[13]]), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("spec", ["snapkv:alloc=layer:window=8", "snapkv:alloc=fit:window=8",
@@ -192,3 +226,41 @@ def test_zipmerge_is_kvzip_global_picks_with_evictmerge_merging_and_refuses_chun
         kvmerge.generate_ids(model, random_ids(300, seed=1), [3], kvmerge.get_method("zipmerge", window=8),
                              max_new_tokens=2, prefill_chunk=128, tokenizer=TinyTokenizer())
 
+
+
+def test_a_ragged_cache_survives_snapshots_probes_row_repeats_and_a_second_compression(monkeypatch):
+    """Every operation on a cache whose heads have their own lengths does what it does on the padded
+    layout: snapshot/restore and probes leave it as it was, rows repeat, a later compression sees the
+    same entries; outside kvmerge's attention it is refused, not misread."""
+    model = tiny_model(num_hidden_layers=3)
+    spec = "snapkv:alloc=head:window=8"
+    _, session, _ = _compressed(model, spec)
+    _, padded, _ = _padded(model, spec, monkeypatch)
+    assert any(session.cache.layers[i].heads is not None for i in session.cache.compressible)
+    nbytes = session.cache.nbytes
+    saved = session.snapshot()
+    seen = []
+    session.probe([[20, 21, 22]], lambda i, query, layer: seen.append(layer.entries))
+    assert seen and session.cache.nbytes == nbytes
+    first = session.forward([[7, 8]])
+    session.restore(saved)
+    assert session.cache.nbytes == nbytes
+    torch.testing.assert_close(session.forward([[7, 8]]), first)
+    torch.testing.assert_close(padded.forward([[7, 8]]), first, atol=1e-5, rtol=1e-5)
+
+    layer = next(session.cache.layers[i] for i in session.cache.compressible if session.cache.layers[i].heads)
+    held = [(x.seen, x.entries, x.nbytes) for x in session.cache.layers]
+    with pytest.raises(ValueError, match="kvmerge_attention"):
+        with torch.no_grad():
+            model(torch.tensor([[9]]), cache=session.cache, use_cache=True)
+    assert layer.heads is not None
+    assert [(x.seen, x.entries, x.nbytes) for x in session.cache.layers] == held  # refused before any layer took it
+
+    for s in (session, padded):
+        s.use(kvmerge.method_from_spec("streamingllm:window=8", 20))
+        s.compress()
+    torch.testing.assert_close(session.forward([[9]]), padded.forward([[9]]), atol=1e-5, rtol=1e-5)
+    session.repeat_rows(2)
+    padded.repeat_rows(2)
+    out = session.forward([[10], [11]])
+    torch.testing.assert_close(out, padded.forward([[10], [11]]), atol=1e-5, rtol=1e-5)
