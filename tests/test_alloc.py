@@ -56,6 +56,8 @@ def test_fitted_widths_are_the_longest_global_prefix_whose_padded_layers_fit(L, 
     target = max(int(frac * s), sinks + window)
     fit = global_counts(scores, target, sinks, window, "fit")
     assert (fit == fit[..., :1]).all()  # one width per layer and row: no padding
+    if h == 1:  # one KV head per layer (Gemma-3-270M): nothing to pad, so fit is head
+        assert torch.equal(fit, global_counts(scores, target, sinks, window, "head"))
     assert (fit[..., 0].sum(0) <= L * min(target, s)).all()
     for r in range(2):
         cand = sorted(((float(scores[l][r, j, i]), l, j) for l in range(L) for j in range(h)
