@@ -74,8 +74,7 @@ class MergedCache(Cache):
     @property
     def allocated_bytes(self) -> int:
         """Bytes the layers' buffers take, spare capacity included."""
-        return sum(x.numel() * x.element_size() for layer in self.layers
-                   for x in (layer._keys, layer._values, layer._log_n) if x is not None)
+        return sum(layer.allocated_bytes for layer in self.layers)
 
     @property
     def entries(self) -> list[int]:

@@ -171,6 +171,13 @@ class MergedLayer(DynamicLayer):
         extra = 0 if self.log_n is None else self.log_n.numel() * self.log_n.element_size()
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size() + extra
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes the buffers take, spare capacity included (ragged heads: theirs and the mask)."""
+        if self.heads is not None:
+            return sum(head.allocated_bytes for head in self.heads) + self._live.numel()
+        return sum(x.numel() * x.element_size() for x in (self._keys, self._values, self._log_n) if x is not None)
+
     def full_log_n(self) -> torch.Tensor:
         """`log_n` materialised (zeros when the cache holds plain tokens only)."""
         if self.log_n is not None:

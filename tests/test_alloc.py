@@ -133,6 +133,8 @@ def test_per_head_allocation_meets_the_budget_in_bytes_and_equals_the_padded_lay
         assert ragged.nbytes == sum(c * (2 * d * 4 + (0 if head.log_n is None else 4))  # and a byte per
                                     for c, head in zip(counts.tolist(), ragged.heads)) + len(counts) * dense.entries  # slot
     assert sum(layer.nbytes for layer in layers) < sum(layer.nbytes for layer in flat)
+    assert session.cache.allocated_bytes < padded.cache.allocated_bytes
+    assert all(layer.allocated_bytes >= layer.nbytes for layer in layers)
     for ragged, dense in zip(layers, flat):  # the same entries in the same order, head by head
         assert ragged.entries == dense.entries and all(torch.equal(a, b) for a, b in zip(_live(ragged), _live(dense)))
     torch.testing.assert_close(first, padded_first)
