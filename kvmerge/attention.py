@@ -7,6 +7,7 @@ merging identical tokens is lossless. With `log_n is None` (plain cache) the sto
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -139,12 +140,22 @@ def padding_free_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, 
     return None
 
 
-_active = [0]  # kvmerge_attention scopes open
+_scopes = threading.local()  # kvmerge_attention scopes open in this thread
 
 
 def attention_active() -> bool:
-    """Whether a `kvmerge_attention` scope is open (a ragged cache is read by kvmerge's attention only)."""
-    return _active[0] > 0
+    """Whether this thread has a `kvmerge_attention` scope open (a ragged cache is read by kvmerge's
+    attention only)."""
+    return getattr(_scopes, "open", 0) > 0
+
+
+@contextmanager
+def _scope():
+    _scopes.open = getattr(_scopes, "open", 0) + 1
+    try:
+        yield
+    finally:
+        _scopes.open -= 1
 
 
 @contextmanager
@@ -153,19 +164,15 @@ def kvmerge_attention(model):
     on exit (nested scopes are free). Identical to `sdpa` on a cache with nothing merged."""
     previous = model.config._attn_implementation
     if previous == ATTN_NAME:
-        _active[0] += 1
-        try:
+        with _scope():
             yield model
-        finally:
-            _active[0] -= 1
         return
     if ATTN_NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTN_NAME, proportional_attention)
         AttentionMaskInterface.register(ATTN_NAME, padding_free_mask)
     model.set_attn_implementation(ATTN_NAME)
-    _active[0] += 1
     try:
-        yield model
+        with _scope():
+            yield model
     finally:
-        _active[0] -= 1
         model.set_attn_implementation(previous)

@@ -41,7 +41,7 @@ class MergedLayer(DynamicLayer):
         self._keys = self._values = self._log_n = None  # buffers (b, h, capacity, d) and (b, h, capacity)
         self._length = 0
         self.heads: list[MergedLayer] | None = None  # ragged storage, one layer per KV head (see `compact`)
-        self._live = None  # ragged: (h, width) bool, the padded layout's slots each head keeps
+        self._live, self._kept = None, []  # ragged: (h, width) bool, the padded slots each head keeps; their counts
         super().__init__(**kwargs)
         self.seen = 0
 
@@ -158,7 +158,7 @@ class MergedLayer(DynamicLayer):
     def entries(self) -> int:
         """Slots per (batch row, kv head), padding included (ragged heads: as the padded layout)."""
         if self.heads is not None:
-            return self._live.shape[1] + self.heads[0].entries - int(self._live[0].sum())
+            return self._live.shape[1] + self.heads[0].entries - self._kept[0]
         return 0 if self.keys is None or self.keys.numel() == 0 else self.keys.shape[-2]
 
     @property
@@ -180,6 +180,8 @@ class MergedLayer(DynamicLayer):
 
     def full_log_n(self) -> torch.Tensor:
         """`log_n` materialised (zeros when the cache holds plain tokens only)."""
+        if self.heads is not None:
+            return self.kv().log_n
         if self.log_n is not None:
             return self.log_n
         b, h, s, _ = self.keys.shape
@@ -190,8 +192,7 @@ class MergedLayer(DynamicLayer):
             return KV(self.keys, self.values, self.full_log_n())
         parts = []
         width = self._live.shape[1]
-        for head, live in zip(self.heads, self._live):  # the padded layout, then the slots appended since
-            count = int(live.sum())
+        for head, live, count in zip(self.heads, self._live, self._kept):  # the padded layout, then appends
             at = live.nonzero().squeeze(1)
             part = []
             for x, fill in zip(head.kv(), (0.0, 0.0, float("-inf"))):
@@ -211,18 +212,19 @@ class MergedLayer(DynamicLayer):
             return False
         kv = self.kv()
         live = ~torch.isinf(kv.log_n).all(0)  # (h, s): a slot some row still uses
+        counts = live.sum(-1).tolist()
         slot_bytes = kv.keys.shape[0] * (kv.keys.shape[-1] * kv.keys.element_size()
                                          + kv.values.shape[-1] * kv.values.element_size() + kv.log_n.element_size())
-        if (live.numel() - int(live.sum())) * slot_bytes <= live.numel():  # saves less than the mask costs
+        if (live.numel() - sum(counts)) * slot_bytes <= live.numel():  # saves less than the mask costs
             return False
         heads = []
         for i, keep in enumerate(live):
             idx = keep.nonzero().squeeze(1)
             head = MergedLayer()
-            head.is_initialized, head.device, head.seen = True, self.device, self.seen
+            head.is_initialized, head.device, head.seen = True, kv.keys.device, self.seen
             head.replace(*(x[:, i:i + 1, idx] for x in kv), fit=True)
             heads.append(head)
-        self.heads, self._live = heads, live
+        self.heads, self._live, self._kept = heads, live, counts
         self._keys = self._values = self._log_n = None
         self._length = 0
         return True

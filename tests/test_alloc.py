@@ -137,6 +137,8 @@ def test_per_head_allocation_meets_the_budget_in_bytes_and_equals_the_padded_lay
     assert all(layer.allocated_bytes >= layer.nbytes for layer in layers)
     for ragged, dense in zip(layers, flat):  # the same entries in the same order, head by head
         assert ragged.entries == dense.entries and all(torch.equal(a, b) for a, b in zip(_live(ragged), _live(dense)))
+        if ragged.heads is not None:  # and the same empty slots, zeros with log_n -inf, at the same places
+            assert all(torch.equal(a, b) for a, b in zip(ragged.kv(), dense.kv()))
     torch.testing.assert_close(first, padded_first)
     for step in ([[7, 8, 9]], [[11]], [[12]]):  # a chunk, then decoding steps: appended to every head
         torch.testing.assert_close(session.forward(step), padded.forward(step), atol=1e-5, rtol=1e-5)

@@ -146,7 +146,8 @@ class ScoringMethod(Method):
     selection), then each layer's share is evened out over its heads (no padding within a row; rows of
     a batch may differ, and shorter rows are padded). "head": each
     (layer, head) keeps its own count; a layer's heads are padded to its largest count with empty
-    slots (log-mass -inf, no attention), which are real memory and counted in the cache's bytes.
+    slots (zeros, log-mass -inf, no attention), which the layer then drops by storing each head at
+    its own length (`MergedLayer.compact`).
     "fit": the per-head global ranking with that padding paid for: the longest prefix of the ranking
     whose layers, each as wide as its widest head, fit in the uniform bytes; every head of a layer keeps
     that width, its would-be padding filled with its own next-best entries (no empty slots).
@@ -171,8 +172,9 @@ class ScoringMethod(Method):
         if "_alloc_counts" in scratch:  # global allocation: the session scored every layer first
             idx, filler = top_slots_per_head(scratch["_alloc_scores"], scratch["_alloc_counts"], ctx.sinks, ctx.window)
             self.selected(idx, ctx)
-            kv = KV(keys, values, log_n).take(idx)
-            return KV(kv.keys, kv.values, kv.log_n.masked_fill(filler, float("-inf")))
+            kv = KV(keys, values, log_n).take(idx)  # a filler slot is empty: zeros, log_n -inf
+            return KV(kv.keys.masked_fill(filler[..., None], 0), kv.values.masked_fill(filler[..., None], 0),
+                      kv.log_n.masked_fill(filler, float("-inf")))
         idx = top_slots(self.scores(keys, log_n, ctx), self.layer_target(ctx), ctx.sinks, ctx.window)
         self.selected(idx, ctx)
         return KV(keys, values, log_n).take(idx)

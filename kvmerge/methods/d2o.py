@@ -76,11 +76,12 @@ class D2O(Method):
         idx = top_slots(scores, target, ctx.sinks, ctx.window)
         kept = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
         best, partner = nearest_kept(keys, idx)
-        evicted_best = best[~kept]
+        live = ~torch.isinf(log_n)  # empty slots (a head's padding) are neither merged nor averaged
+        evicted_best = best[~kept & live]
         layer_mean = float(evicted_best.mean()) if evicted_best.numel() else 1.0
         self._tau = layer_mean if self._tau is None else self.ema * self._tau + (1 - self.ema) * layer_mean
-        merge = ~kept & (best >= self._tau)
-        self.stats["merged_fraction"] = float(merge.sum() / max(int((~kept).sum()), 1))
+        merge = ~kept & live & (best >= self._tau)
+        self.stats["merged_fraction"] = float(merge.sum() / max(int((~kept & live).sum()), 1))
         slot = torch.arange(idx.shape[-1], device=idx.device).expand_as(idx)
         assign = partner.scatter(-1, idx, slot)  # kept entries map to themselves
         weight = torch.where(kept, math.e, torch.where(merge, best.exp(), 0.0))
