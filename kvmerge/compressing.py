@@ -52,6 +52,11 @@ class Compressor:
         kwargs.pop("past_key_values", None)
         if isinstance(cache, MergedCache) and id(cache) in self._sessions:
             session = self._sessions[id(cache)]
+            rows = len(session.seen)
+            if ids is not None and ids.shape[0] != rows and id(cache) not in self._fed:
+                if ids.shape[0] % rows:  # generate expanded the prompt (num_return_sequences, beams)
+                    raise ValueError(f"model.generate runs {ids.shape[0]} rows on a cache of {rows} from kv.prefill")
+                session.repeat_rows(ids.shape[0] // rows)
             decoding = id(cache) in self._fed  # the first forward feeds the question
             self._fed.add(id(cache))
             self._stack = ExitStack()

@@ -86,3 +86,27 @@ def test_import_leaves_the_environment_and_transformers_alone():
 def test_python_dash_m_runs_the_cli():
     out = subprocess.run([sys.executable, "-m", "kvmerge", "methods"], check=True, capture_output=True, text=True)
     assert "centroidkv" in out.stdout.split()
+
+
+@pytest.mark.parametrize("spec", ["full", "snapkv:alloc=head:window=8"])
+def test_beam_search_and_several_sequences_expand_a_prefilled_cache(spec, monkeypatch):
+    """generate repeats the prompt for beams / num_return_sequences; the prefilled cache repeats with it.
+    Nothing compressed: the beams equal stock transformers'; per-head lengths: equal the padded layout's."""
+    model = tiny_model(num_hidden_layers=3)
+    ctx, q = random_ids(160, seed=1), random_ids(6, seed=2)
+    args = dict(max_new_tokens=6, num_beams=2, num_return_sequences=2, do_sample=False)
+
+    def run():
+        with kvmerge.compressing(model, kvmerge.method_from_spec(spec, 0.25)) as kv:
+            cache = kv.prefill(ctx)
+            return cache, model.generate(torch.tensor([ctx + q]), cache=cache, **args)
+
+    cache, got = run()
+    assert got.shape == (2, len(ctx + q) + 6)
+    if spec == "full":
+        want = model.generate(torch.tensor([ctx + q]), **args)
+    else:
+        assert any(layer.heads is not None for layer in cache.layers)
+        monkeypatch.setattr(kvmerge.layer.MergedLayer, "compact", lambda self: False)
+        _, want = run()
+    assert got.tolist() == want.tolist()
