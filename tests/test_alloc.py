@@ -223,11 +223,16 @@ def test_zipmerge_is_kvzip_global_picks_with_evictmerge_merging_and_refuses_chun
     kvzip = kvmerge.get_method("kvzip", window=8, chunk=64)
     _, named, _ = _compressed(model, kvmerge.get_method("zipmerge", budget=0.25, window=8, base=kvzip))
     _, spelled, _ = _compressed(model, kvmerge.get_method("evictmerge", budget=0.25, window=8, base=kvzip, alloc="head",
-                                                          recent=0.0))
+                                                          recent=0.0, calibrate_with="base"))
+    _, observed, _ = _compressed(model, kvmerge.get_method("zipmerge", budget=0.25, window=8, base=kvzip,
+                                                           calibrate_with="observed"))
     for i in named.cache.compressible:
         a, b = named.cache.layers[i], spelled.cache.layers[i]
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         assert torch.equal(a.full_log_n(), b.full_log_n())
+    # the default weighs merges by KVzip's own scores, not by the last prompt queries' attention
+    assert any(not torch.equal(named.cache.layers[i].full_log_n(), observed.cache.layers[i].full_log_n())
+               for i in named.cache.compressible)
     with pytest.raises(ValueError, match="one-shot compression"):
         kvmerge.generate_ids(model, random_ids(300, seed=1), [3], kvmerge.get_method("zipmerge", window=8),
                              max_new_tokens=2, prefill_chunk=128, tokenizer=TinyTokenizer())
