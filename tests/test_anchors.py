@@ -308,6 +308,63 @@ def test_merges_calibrated_by_the_base_conserve_its_scores_mass_and_weighted_val
         m.compress(keys, values, torch.zeros(b, h, s), ctx)
 
 
+@pytest.mark.parametrize("alloc", ["uniform", "head"])
+def test_heads_whose_base_scores_saturate_evict_and_the_others_merge_as_before(alloc):
+    """`saturated`: a head in which more than that fraction of the free entries score above one half
+    comes out as plain eviction of the same picks (kept keys and values exact, log-mass 0); every other
+    head comes out exactly as without the option."""
+    from dataclasses import dataclass
+
+    from kvmerge.methods.base import LayerState, ScoringMethod
+    from kvmerge.ops.scores import global_counts, top_slots, top_slots_per_head
+
+    g = torch.Generator().manual_seed(7)
+    b, h, s, d = 1, 3, 40, 8
+    keys, values = torch.randn(b, h, s, d, generator=g), torch.randn(b, h, s, d, generator=g)
+    w = torch.rand(b, h, s, generator=g) * 0.5  # nobody above one half...
+    w[0, 1, 4:s - 4] = 0.5 + 0.5 * torch.rand(s - 8, generator=g)  # ...but head 1's free entries all are
+
+    @dataclass
+    class Fixed(ScoringMethod):
+        name = "fixed"
+
+        def scores(self, keys, log_n, ctx):
+            return w
+
+    def run(**kw):
+        m = kvmerge.get_method("evictmerge", base=Fixed(), budget=16, sinks=4, window=4, recent=0.0,
+                               calibrate_with="base", alloc=alloc, **kw)
+        ctx = LayerContext(0, 1, target=16, sinks=4, window=4, scaling=d ** -0.5, values=values, seen=s)
+        if alloc == "head":
+            ctx.state = LayerState()
+            ctx.state.scratch["_alloc_scores"] = w
+            ctx.state.scratch["_alloc_counts"] = global_counts([w], 16, 4, 4, "head")[0]
+        return m.compress(keys, values, torch.zeros(b, h, s), ctx)
+
+    if alloc == "head":
+        idx, empty = top_slots_per_head(w, global_counts([w], 16, 4, 4, "head")[0], 4, 4)
+    else:
+        idx, empty = top_slots(w, 16, 4, 4), torch.zeros(b, h, 16, dtype=torch.bool)
+    guarded, plain = run(saturated=0.25), run()
+    live = ~empty[0, 1]
+    picked = idx[0, 1][live]
+    assert torch.equal(guarded.keys[0, 1][live], keys[0, 1, picked])
+    torch.testing.assert_close(guarded.values[0, 1][live], values[0, 1, picked])  # evicted: nothing joined
+    torch.testing.assert_close(guarded.log_n[0, 1][live], torch.zeros(int(live.sum())))
+    assert not torch.allclose(plain.values[0, 1][live], values[0, 1, picked])  # without the option it merges
+    for other in (0, 2):
+        for a, c in zip(guarded, plain):
+            assert torch.equal(a[0, other], c[0, other])
+    with pytest.raises(ValueError, match="saturated"):
+        kvmerge.get_method("evictmerge", saturated=1.5, calibrate_with="base")
+
+
+def test_guardmerge_is_zipmerge_on_zipguard_with_saturated_heads_evicting():
+    m = kvmerge.get_method("guardmerge")
+    assert (m.base.name, m.saturated, m.calibrate_with, m.alloc) == ("zipguard", 0.25, "base", "head")
+    assert m.saturated == m.base.saturated  # the heads zipguard guards are the heads that evict
+
+
 def test_calibrate_with_names_its_choices():
     with pytest.raises(ValueError, match="calibrate_with"):
         kvmerge.get_method("evictmerge", calibrate_with="expectation")

@@ -8,8 +8,8 @@ import kvmerge
 from .conftest import TinyTokenizer, random_ids, tiny_model
 from .test_hybrid import gemma3
 
-# zipmerge allocates one budget over every layer at once: one-shot only (refused with prefill_chunk, test_alloc)
-CHUNKED = sorted(set(kvmerge.available_methods()) - {"full", "zipmerge"})
+# zipmerge and guardmerge allocate one budget over every layer at once: one-shot only (refused with prefill_chunk, test_alloc)
+CHUNKED = sorted(set(kvmerge.available_methods()) - {"full", "zipmerge", "guardmerge"})
 
 
 @pytest.mark.parametrize("build", [tiny_model, gemma3])

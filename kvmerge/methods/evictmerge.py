@@ -40,6 +40,10 @@ class EvictMerge(ScoringMethod):
     `alloc` ("layer", "head", "fit"; needs recent=0, exact=0): the kept entries are chosen by global
     allocation over every layer and head (`ScoringMethod`), then the rest merge into them as above;
     a head's padding slots absorb nothing and stay empty.
+    `saturated` (< 1, with `calibrate_with="base"`): a head in which more than this fraction of the
+    free entries (outside sinks and window) have base scores above one half evicts instead of merging:
+    such scores (a copy head's, while KVzip repeats the context) do not rank, and as weights they
+    would fold unrelated entries into every pick almost as heavily as the pick itself.
     """
     alloc_aware: ClassVar[bool] = True
 
@@ -53,6 +57,7 @@ class EvictMerge(ScoringMethod):
     exact_by: ScoringMethod = field(default_factory=Surprisal)
     whole: bool = False
     absorb: str = "kept"
+    saturated: float = 1.0
     name = "evictmerge"
 
     def __post_init__(self):
@@ -63,6 +68,10 @@ class EvictMerge(ScoringMethod):
         if self.absorb not in ("kept", "picks"):
             raise ValueError(f"absorb must be 'kept' (every kept entry but the sinks) or 'picks' (the base's "
                              f"picks only), got {self.absorb!r}")
+        if not 0.0 <= self.saturated <= 1.0 or (self.saturated < 1.0 and not (self.calibrate and self.calibrate_with == "base")):
+            raise ValueError(f"saturated must be a fraction in [0, 1], below 1 only with calibrate_with='base' (it "
+                             f"reads the base's scores as probabilities), got saturated={self.saturated}, "
+                             f"calibrate_with={self.calibrate_with!r}")
         if self.calibrate_with not in ("observed", "expected", "base"):
             raise ValueError(f"calibrate_with must be 'observed', 'expected' or 'base', got {self.calibrate_with!r}")
         self._expected = (self.base if isinstance(self.base, ExpectedAttention) else ExpectedAttention()) \
@@ -126,7 +135,7 @@ class EvictMerge(ScoringMethod):
             for part in self._parts():
                 part.selected(idx, ctx)
             protect = self._protected(idx, min(ctx.sinks, idx.shape[-1]), keys.shape[2], ctx.window)
-            return merge_into_kept(keys, values, log_n, idx, self.min_cosine, protect,
+            return merge_into_kept(keys, values, log_n, idx, self._floor(scratch["_alloc_scores"], ctx), protect,
                                    self._weights(keys, log_n, ctx, scratch["_alloc_scores"]), empty)
         target = self.layer_target(ctx)
         window = max(ctx.window, round(self.recent * target))
@@ -144,7 +153,18 @@ class EvictMerge(ScoringMethod):
         if self.calibrate and attention is None:
             attention = self._weights(keys, log_n, ctx, scores)
         protect = self._protected(idx, protect, keys.shape[2], window)
-        return merge_into_kept(keys, values, log_n, idx, self.min_cosine, protect, attention)
+        return merge_into_kept(keys, values, log_n, idx, self._floor(scores, ctx), protect, attention)
+
+    def _floor(self, scores, ctx):
+        """`min_cosine`, or with `saturated` < 1 a `(b, h, 1)` floor that is +inf (nothing joins: the head
+        evicts) in the heads whose base `scores` `(b, h, s)` saturate."""
+        if self.saturated >= 1.0:
+            return self.min_cosine
+        n = scores.shape[-1]
+        lo = min(ctx.sinks, n)
+        free = scores[..., lo:max(n - ctx.window, lo)].float()
+        hot = (free > 0.5).float().mean(-1, keepdim=True) > self.saturated
+        return torch.full(hot.shape, self.min_cosine, device=scores.device).masked_fill(hot, float("inf"))
 
     def _protected(self, idx, protect, n, window):
         """The kept slots that absorb nothing: `protect` (the first slots if an int, else a `(b, h, t)`

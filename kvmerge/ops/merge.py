@@ -71,7 +71,7 @@ def nearest_kept(keys, idx, protect=0, chunk: int = 1024):
 
 def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, protect=0, attention=None, empty=None):
     """Every slot not in `idx` `(b, h, t)` joins its most key-similar kept slot when their cosine is
-    ≥ `floor` (else it is dropped); kept slots in `protect` (the first `protect` if an int, else a
+    ≥ `floor` (a float, or per head `(b, h, 1)`; else it is dropped); kept slots in `protect` (the first `protect` if an int, else a
     `(b, h, t)` bool mask) absorb nothing. Kept slots become degree-weighted means of keys and values
     with log_n = log of their summed mass (mass is conserved).
 
