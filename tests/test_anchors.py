@@ -310,9 +310,10 @@ def test_merges_calibrated_by_the_base_conserve_its_scores_mass_and_weighted_val
 
 @pytest.mark.parametrize("alloc", ["uniform", "head"])
 def test_heads_whose_base_scores_saturate_evict_and_the_others_merge_as_before(alloc):
-    """`saturated`: a head in which more than that fraction of the free entries score above one half
-    comes out as plain eviction of the same picks (kept keys and values exact, log-mass 0); every other
-    head comes out exactly as without the option."""
+    """`saturated`: a head in which more than that fraction of the free entries (between the sinks and
+    the window) score above one half comes out as plain eviction of the same picks (kept keys and
+    values exact, log-mass 0); every other head comes out exactly as without the option: one whose
+    sinks and window score high but not its free entries, one with a few free entries above one half."""
     from dataclasses import dataclass
 
     from kvmerge.methods.base import LayerState, ScoringMethod
@@ -322,7 +323,9 @@ def test_heads_whose_base_scores_saturate_evict_and_the_others_merge_as_before(a
     b, h, s, d = 1, 3, 40, 8
     keys, values = torch.randn(b, h, s, d, generator=g), torch.randn(b, h, s, d, generator=g)
     w = torch.rand(b, h, s, generator=g) * 0.5  # nobody above one half...
-    w[0, 1, 4:s - 4] = 0.5 + 0.5 * torch.rand(s - 8, generator=g)  # ...but head 1's free entries all are
+    w[0, 1, 4:s - 4] = 0.5 + 0.5 * torch.rand(s - 8, generator=g)  # ...but head 1's free entries all are,
+    w[0, 0, :4], w[0, 0, s - 4:] = 0.9, 0.9  # head 0's sinks and window (8 of 40: 20% of the head),
+    w[0, 2, [10, 20, 30]] = 0.9  # and 3 of head 2's 32 free entries (9%)
 
     @dataclass
     class Fixed(ScoringMethod):
@@ -345,7 +348,7 @@ def test_heads_whose_base_scores_saturate_evict_and_the_others_merge_as_before(a
         idx, empty = top_slots_per_head(w, global_counts([w], 16, 4, 4, "head")[0], 4, 4)
     else:
         idx, empty = top_slots(w, 16, 4, 4), torch.zeros(b, h, 16, dtype=torch.bool)
-    guarded, plain = run(saturated=0.25), run()
+    guarded, plain = run(saturated=0.15), run()
     live = ~empty[0, 1]
     picked = idx[0, 1][live]
     assert torch.equal(guarded.keys[0, 1][live], keys[0, 1, picked])
@@ -355,14 +358,16 @@ def test_heads_whose_base_scores_saturate_evict_and_the_others_merge_as_before(a
     for other in (0, 2):
         for a, c in zip(guarded, plain):
             assert torch.equal(a[0, other], c[0, other])
-    with pytest.raises(ValueError, match="saturated"):
-        kvmerge.get_method("evictmerge", saturated=1.5, calibrate_with="base")
+    for bad in ({"saturated": 1.5, "calibrate_with": "base"}, {"saturated": 0.2}, {"saturated": 0.2, "calibrate": False}):
+        with pytest.raises(ValueError, match="saturated"):
+            kvmerge.get_method("evictmerge", **bad)
 
 
-def test_guardmerge_is_zipmerge_on_zipguard_with_saturated_heads_evicting():
+def test_guardmerge_is_zipmerge_on_zipguard_with_its_guarded_heads_evicting():
     m = kvmerge.get_method("guardmerge")
     assert (m.base.name, m.saturated, m.calibrate_with, m.alloc) == ("zipguard", 0.25, "base", "head")
     assert m.saturated == m.base.saturated  # the heads zipguard guards are the heads that evict
+    assert kvmerge.method_from_spec("guardmerge:saturated=0.4", 0.25).base.saturated == 0.4
 
 
 def test_calibrate_with_names_its_choices():

@@ -41,7 +41,8 @@ class EvictMerge(ScoringMethod):
     allocation over every layer and head (`ScoringMethod`), then the rest merge into them as above;
     a head's padding slots absorb nothing and stay empty.
     `saturated` (< 1, with `calibrate_with="base"`): a head in which more than this fraction of the
-    free entries (outside sinks and window) have base scores above one half evicts instead of merging:
+    free entries (outside sinks and window) have base scores above one half (the base's `level`, if it
+    has one) evicts instead of merging:
     such scores (a copy head's, while KVzip repeats the context) do not rank, and as weights they
     would fold unrelated entries into every pick almost as heavily as the pick itself.
     """
@@ -68,10 +69,11 @@ class EvictMerge(ScoringMethod):
         if self.absorb not in ("kept", "picks"):
             raise ValueError(f"absorb must be 'kept' (every kept entry but the sinks) or 'picks' (the base's "
                              f"picks only), got {self.absorb!r}")
-        if not 0.0 <= self.saturated <= 1.0 or (self.saturated < 1.0 and not (self.calibrate and self.calibrate_with == "base")):
-            raise ValueError(f"saturated must be a fraction in [0, 1], below 1 only with calibrate_with='base' (it "
-                             f"reads the base's scores as probabilities), got saturated={self.saturated}, "
-                             f"calibrate_with={self.calibrate_with!r}")
+        weighed_by_base = self.calibrate and self.calibrate_with == "base"
+        if not 0.0 <= self.saturated <= 1.0 or (self.saturated < 1.0 and not weighed_by_base):
+            raise ValueError(f"saturated must be a fraction in [0, 1], below 1 only with calibrate=True and "
+                             f"calibrate_with='base' (it reads the base's scores as probabilities), got "
+                             f"saturated={self.saturated}, calibrate={self.calibrate}, calibrate_with={self.calibrate_with!r}")
         if self.calibrate_with not in ("observed", "expected", "base"):
             raise ValueError(f"calibrate_with must be 'observed', 'expected' or 'base', got {self.calibrate_with!r}")
         self._expected = (self.base if isinstance(self.base, ExpectedAttention) else ExpectedAttention()) \
@@ -157,13 +159,15 @@ class EvictMerge(ScoringMethod):
 
     def _floor(self, scores, ctx):
         """`min_cosine`, or with `saturated` < 1 a `(b, h, 1)` floor that is +inf (nothing joins: the head
-        evicts) in the heads whose base `scores` `(b, h, s)` saturate."""
+        evicts) in the heads whose base `scores` `(b, h, s)` saturate: more than `saturated` of the
+        entries between the sinks and the last `ctx.window` above the base's `level` (one half if it
+        has none; `zipguard`'s test)."""
         if self.saturated >= 1.0:
             return self.min_cosine
         n = scores.shape[-1]
         lo = min(ctx.sinks, n)
         free = scores[..., lo:max(n - ctx.window, lo)].float()
-        hot = (free > 0.5).float().mean(-1, keepdim=True) > self.saturated
+        hot = (free > getattr(self.base, "level", 0.5)).float().mean(-1, keepdim=True) > self.saturated
         return torch.full(hot.shape, self.min_cosine, device=scores.device).masked_fill(hot, float("inf"))
 
     def _protected(self, idx, protect, n, window):

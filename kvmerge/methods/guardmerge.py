@@ -1,6 +1,6 @@
 """GuardMerge (kvmerge's own): `zipguard`'s picks; the rest merged by KVzip's scores where they rank."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .base import ScoringMethod
 from .registry import register
@@ -14,11 +14,17 @@ class GuardMerge(ZipMerge):
     """`zipmerge` on `zipguard`'s picks (KVzip's global per-head ranking, each copy head ranked by
     surprisal). Every evicted entry joins its most key-similar kept entry of its head, weighted by
     KVzip's own scores, except in the heads whose scores saturate (more than `saturated` of the free
-    entries above one half: the heads `zipguard` guards), which evict: there KVzip's scores say
-    nothing about an entry, and as weights they would blur the picks' values (a copied fact's
-    digits) with unrelated entries. On a model without copy heads this is `zipmerge`.
+    entries above zipguard's `level`, one half: the heads `zipguard` guards, its own `saturated` set to
+    this one), which evict: there KVzip's scores say nothing about an entry, and as weights they
+    would blur the picks' values (a copied fact's digits) with unrelated entries. On a model
+    without copy heads this is `zipmerge`.
     Equal to `zipmerge:base=zipguard:saturated=0.25`. Costs KVzip's second prefill."""
 
     base: ScoringMethod = field(default_factory=ZipGuard)
     saturated: float = 0.25
     name = "guardmerge"
+
+    def __post_init__(self):
+        if isinstance(self.base, ZipGuard) and self.base.saturated != self.saturated:
+            self.base = replace(self.base, saturated=self.saturated)  # one test: the guarded heads evict
+        super().__post_init__()
