@@ -36,3 +36,38 @@ def test_a_needle_is_found_with_the_full_cache_and_with_surprisemerge_at_a_quart
         out = kvmerge.generate_ids(model, ctx, q, method, max_new_tokens=8, tokenizer=tok)
         assert score(tok.decode(out.tokens[0], skip_special_tokens=True), s.answer) == 1.0, method.name
     assert out.stats["compressed_layers_bytes"] <= 0.26 * out.stats["compressed_layers_full_bytes"]
+
+
+@pytest.mark.ci_slow
+def test_guardmerge_evicts_in_gemmas_copy_heads_and_keeps_the_needle_merging_there_loses(gemma):
+    """Gemma-3's global layers: in those whose KVzip scores saturate (copy heads) `guardmerge` keeps
+    exactly `zipguard`'s eviction (same entries, log-mass 0); in the others it merges. A dev needle that
+    merging into the copy heads turns into "1." (R21) is kept at 10%."""
+    from kvmerge.generate import cache_stats, decode
+    from kvmerge_eval.niah import score
+    from kvmerge_eval.runner import build_samples, prompt_ids
+    from kvmerge_eval.shared import compressed_once
+
+    model, tok = gemma
+    s = build_samples("niah", tok, [2048], 10, text="docs")[3]
+    ctx, q = prompt_ids(tok, s)
+    caches, answers = {}, {}
+    specs = ["guardmerge", "zipguard:alloc=head", "zipmerge:base=zipguard"]
+    with torch.inference_mode():
+        for spec, _b, session, _ in compressed_once(model, tok, [ctx], [(m, 0.1) for m in specs]):
+            caches[spec] = {i: session.cache.layers[i].kv() for i in session.cache.compressible}
+            first = session.forward([q], decoding=False)
+            out = decode(session, first, dict(cache_stats(session, [ctx], "agnostic")), 8, tok.eos_token_id)
+            answers[spec] = score(tok.decode(out.tokens[0], skip_special_tokens=True), s.answer)
+    guarded = merged = 0
+    for i, kv in caches["guardmerge"].items():
+        evicted = caches["zipguard:alloc=head"][i]
+        live = torch.isfinite(kv.log_n)
+        if torch.equal(kv.keys, evicted.keys) and torch.allclose(kv.values, evicted.values, atol=1e-6) \
+                and torch.allclose(kv.log_n[live], torch.zeros_like(kv.log_n[live]), atol=1e-6):
+            guarded += 1
+        else:
+            assert torch.equal(kv.keys, evicted.keys)  # the same picks, values merged
+            merged += 1
+    assert guarded >= 1 and merged >= 1, (guarded, merged)
+    assert answers == {"guardmerge": 1.0, "zipguard:alloc=head": 1.0, "zipmerge:base=zipguard": 0.0}
