@@ -8,8 +8,10 @@ import kvmerge
 from .conftest import TinyTokenizer, random_ids, tiny_model
 from .test_hybrid import gemma3
 
-# zipmerge and guardmerge allocate one budget over every layer at once: one-shot only (refused with prefill_chunk, test_alloc)
-CHUNKED = sorted(set(kvmerge.available_methods()) - {"full", "zipmerge", "guardmerge"})
+# methods that allocate one budget over every layer by default (zipmerge, guardmerge) are one-shot only
+# (refused with prefill_chunk, test_alloc)
+CHUNKED = sorted(n for n in kvmerge.available_methods()
+                 if n != "full" and getattr(kvmerge.get_method(n), "alloc", "uniform") == "uniform")
 
 
 @pytest.mark.parametrize("build", [tiny_model, gemma3])

@@ -6,7 +6,7 @@ from typing import ClassVar
 import torch
 
 from ..ops.merge import merge_into_kept
-from ..ops.scores import fill_protected, received_attention, top_slots, top_slots_per_head
+from ..ops.scores import fill_protected, received_attention, saturated_heads, top_slots, top_slots_per_head
 from .base import ScoringMethod
 from .expected_attention import ExpectedAttention
 from .registry import register
@@ -166,8 +166,7 @@ class EvictMerge(ScoringMethod):
             return self.min_cosine
         n = scores.shape[-1]
         lo = min(ctx.sinks, n)
-        free = scores[..., lo:max(n - ctx.window, lo)].float()
-        hot = (free > getattr(self.base, "level", 0.5)).float().mean(-1, keepdim=True) > self.saturated
+        hot = saturated_heads(scores[..., lo:max(n - ctx.window, lo)], self.saturated, getattr(self.base, "level", 0.5))
         return torch.full(hot.shape, self.min_cosine, device=scores.device).masked_fill(hot, float("inf"))
 
     def _protected(self, idx, protect, n, window):

@@ -186,11 +186,17 @@ def echo_attention(queries, keys, log_n, scaling: float, cos, sin, own: int = 16
     return out[:, s - q:]
 
 
+def saturated_heads(scores, saturated: float, level: float = 0.5):
+    """`(b, h, 1)` bool: the heads of `scores` `(b, h, s)` with more than `saturated` of their entries
+    above `level` (a copy head's KVzip scores; an empty head is not saturated)."""
+    return (scores.float() > level).float().mean(-1, keepdim=True) > saturated
+
+
 def guard_saturated(scores, order, saturated: float, level: float = 0.5):
-    """`scores` `(b, h, s)` with each saturated head (more than `saturated` of its entries above `level`)
-    reordered by `order` `(b, h, s)`: the head's own score values, sorted, handed out by `order`'s rank
-    (the same multiset, so any allocation by value is unchanged; `order`'s ties kept in position order)."""
-    hot = (scores > level).float().mean(-1, keepdim=True) > saturated
+    """`scores` `(b, h, s)` with each saturated head (`saturated_heads`) reordered by `order` `(b, h, s)`:
+    the head's own score values, sorted, handed out by `order`'s rank (the same multiset, so any
+    allocation by value is unchanged; `order`'s ties kept in position order)."""
+    hot = saturated_heads(scores, saturated, level)
     if not bool(hot.any()):
         return scores
     values = scores.sort(-1, descending=True).values
