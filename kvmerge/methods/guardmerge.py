@@ -17,14 +17,16 @@ class GuardMerge(ZipMerge):
     entries above zipguard's `level`, one half: the heads `zipguard` guards, its own `saturated` set to
     this one), which evict: there KVzip's scores say nothing about an entry, and as weights they
     would blur the picks' values (a copied fact's digits) with unrelated entries. On a model
-    without copy heads this is `zipmerge`.
+    without copy heads this is `zipmerge`. `fallback` ranks the guarded heads (zipguard's, passed on).
     Equal to `zipmerge:base=zipguard:saturated=0.25`. Costs KVzip's second prefill."""
 
     base: ScoringMethod = field(default_factory=ZipGuard)
     saturated: float = 0.25
+    fallback: str = "surprisal"
     name = "guardmerge"
 
     def __post_init__(self):
-        if isinstance(self.base, ZipGuard) and self.base.saturated != self.saturated:
-            self.base = replace(self.base, saturated=self.saturated)  # one test: the guarded heads evict
+        if isinstance(self.base, ZipGuard) and (self.base.saturated, self.base.fallback) != (self.saturated, self.fallback):
+            # one test: the guarded heads evict; one ranking for them
+            self.base = replace(self.base, saturated=self.saturated, fallback=self.fallback)
         super().__post_init__()
