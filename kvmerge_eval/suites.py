@@ -26,6 +26,7 @@ these tables as printed.
 from __future__ import annotations
 
 import tomllib
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,12 +170,15 @@ def header(suite: Suite, model: str, budgets=None) -> list[str]:
     return ["method"] + [c[0] for c in cols] + ["bytes/full at " + " / ".join(f"{b:.0%}" for b in shown)]
 
 
+def _cells(rows_raw: list[dict]) -> list[dict]:
+    """Summarized rows (`runner.summarize`), a run found twice counted once."""
+    return summarize(list({run_key(r["method"], r["budget"], r): r for r in rows_raw}.values()))
+
+
 def table(suite: Suite, model: str, rows_raw: list[dict], budgets=None) -> str:
     """One model's markdown table: a row per method label, a column per (run, subtask, length, budget)."""
     labels = list(dict.fromkeys(m for r in suite.runs if model in r.models for m in r.labels()))
-    # a run found twice counts once
-    raw = list({run_key(r["method"], r["budget"], r): r for r in rows_raw}.values())
-    rows = summarize([r for r in raw if r["method"] in labels])
+    rows = [r for r in _cells(rows_raw) if r["method"] in labels]
     cell = {(r["task"], r["method"], r["budget"], r["length"]): r for r in rows}
     cols = _columns(suite, model, budgets)
     shown = sorted({c[3] for c in cols}, reverse=True)
@@ -197,6 +201,39 @@ def table(suite: Suite, model: str, rows_raw: list[dict], budgets=None) -> str:
     return "\n".join(lines)
 
 
+def totals(suite: Suite, model: str, cells: list[dict], budgets=None) -> str | None:
+    """Answers summed over the genres of each family measured on several (`answered/asked`), a row per
+    method measured on every one of them: a cell of 10 questions moves by 10 points with one answer, the sum
+    over three genres by 3.3. `cells`: summarized rows (`runner.summarize`: task, method, budget,
+    length, score, n). None when no family has results on two genres at one length."""
+    measured = {(r["task"], r["length"]) for r in cells}
+    genres: dict = defaultdict(list)  # (family, length) -> its task names with results, one per genre
+    for r in suite.runs:
+        if r.task == "family" and model in r.models:
+            for _name, task, n, _b in columns(r):
+                if (task, n) in measured:
+                    genres[(task.split("/")[0], n)].append(task)
+    groups = {k: list(dict.fromkeys(v)) for k, v in genres.items() if len(set(v)) > 1}
+    if not groups:
+        return None
+    cell = {(r["task"], r["method"], r["budget"], r["length"]): r for r in cells}
+    labels = list(dict.fromkeys(m for r in suite.runs if model in r.models and r.task == "family" for m in r.labels()))
+    shown = sorted({b for r in suite.runs if model in r.models for b in r.budgets if budgets is None or b in budgets},
+                   reverse=True)
+    cols = [(fam, n, b) for (fam, n) in groups for b in shown]
+    head = ["method (summed over genres)"] + [f"{fam} {n / 1024:g}k {b:.0%} ({len(groups[fam, n])} genres)"
+                                               for fam, n, b in cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label in labels:
+        out = []
+        for fam, n, b in cols:
+            rs = [cell.get((t, label, 1.0 if label.split("@")[0] == "full" else b, n)) for t in groups[fam, n]]
+            out.append("–" if None in rs else f"{round(sum(r['score'] * r['n'] for r in rs))}/{sum(r['n'] for r in rs)}")
+        if any(x != "–" for x in out):
+            lines.append(f"| {label} | " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
 def report(suite: Suite, root="results", models=None, budgets=None) -> str:
     """The suite's tables, one per model with results, each under `#### <model>`, headed by the command
     that regenerates them and the dates its rows were measured."""
@@ -211,6 +248,9 @@ def report(suite: Suite, root="results", models=None, budgets=None) -> str:
         dates = sorted({r["date"] for r in raw if "date" in r})
         when = f"measured {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else "") if dates else "undated"
         parts += ["", f"#### {model} ({when}; samples per cell in brackets)", "", table(suite, model, raw, budgets)]
+        summed = totals(suite, model, _cells(raw), budgets)
+        if summed:
+            parts += ["", summed]
     if not found:
         raise FileNotFoundError(f"no results for suite {suite.name!r} under {Path(root) / suite.name}: "
                                 f"run `kvmerge eval --suite {suite.name}` first")

@@ -93,6 +93,48 @@ samples = 1
         suites.run_suite(suite, ["other"], tmp_path / "r", loader)
 
 
+def test_family_totals_sum_answers_over_genres_for_methods_measured_on_each(tmp_path):
+    suite = suites.load(_write(tmp_path, """
+models = ["tiny"]
+methods = ["full", "snapkv", "keydiff"]
+budgets = [0.25]
+lengths = [2048]
+samples = 10
+[[run]]
+task = "family"
+subtasks = ["own_words"]
+text = "docs"
+[[run]]
+task = "family"
+subtasks = ["own_words"]
+text = "legal"
+[[run]]
+task = "fidelity"
+samples = 3
+"""))
+    cell = lambda task, method, budget, score, n=10: dict(task=task, method=method, budget=budget,  # noqa: E731
+                                                          length=2048, score=score, n=n)
+    cells = [cell("own_words/docs", "full", 1.0, 0.4), cell("own_words/legal", "full", 1.0, 0.9),
+             cell("own_words/docs", "snapkv", 0.25, 0.3), cell("own_words/legal", "snapkv", 0.25, 0.2, n=5),
+             cell("own_words/docs", "keydiff", 0.25, 0.5)]  # keydiff: no legal row
+    lines = suites.totals(suite, "tiny", cells).splitlines()
+    assert lines[0] == "| method (summed over genres) | own_words 2k 25% (2 genres) |"
+    assert lines[2:] == ["| full | 13/20 |", "| snapkv | 4/15 |"]
+    one_genre = suites.load(_write(tmp_path, """
+models = ["tiny"]
+methods = ["full"]
+budgets = [0.25]
+lengths = [2048]
+samples = 10
+[[run]]
+task = "family"
+subtasks = ["own_words"]
+"""))
+    assert suites.totals(one_genre, "tiny", cells) is None
+    docs_only = [c for c in cells if c["task"] == "own_words/docs"]  # a genre nobody ran is not asked for
+    assert suites.totals(suite, "tiny", docs_only) is None
+
+
 def test_report_without_results_says_what_to_run(tmp_path, capsys):
     with pytest.raises(SystemExit, match="run `kvmerge eval --suite ruler` first"):
         main(["report", "--suite", "ruler", "--root", str(tmp_path)])
@@ -132,7 +174,14 @@ def test_every_table_in_the_results_doc_names_a_suite_a_command_and_its_columns(
             assert argv[0] == "kvmerge"
             args = _parser().parse_args(argv[1:])  # parses
             assert args.suite == name
-        assert head == suites.header(suite, model), f"{name}/{model}: columns differ from the suite's"
+        if head[0] == "method (summed over genres)":  # suites.totals: family × length × budget of the suite
+            families = {(t.split("/")[0], f"{n / 1024:g}k {b:.0%}") for r in suite.runs if model in r.models
+                        for _c, t, n, b in suites.columns(r) if r.task == "family"}
+            for col in head[1:]:
+                m = re.fullmatch(r"(\w+) (\S+ \d+%) \(\d genres\)", col)
+                assert m and m.groups() in families, f"{name}/{model}: summed column {col!r} is not the suite's"
+        else:
+            assert head == suites.header(suite, model), f"{name}/{model}: columns differ from the suite's"
         labels = {m for r in suite.runs if model in r.models for m in r.labels()}
         for row in rows:
             cells = [c.strip() for c in row.strip("|").split("|")]
