@@ -52,7 +52,8 @@ def test_guardmerge_evicts_in_gemmas_copy_heads_and_keeps_the_needle_merging_the
     s = build_samples("niah", tok, [2048], 10, text="docs")[3]
     ctx, q = prompt_ids(tok, s)
     caches, answers = {}, {}
-    specs = ["guardmerge", "zipguard:alloc=head", "zipmerge:base=zipguard"]
+    evicting = f"zipguard:alloc=head:fallback={kvmerge.get_method('guardmerge').fallback}"  # guardmerge's picks
+    specs = ["guardmerge", evicting, "zipmerge:base=zipguard"]
     with torch.inference_mode():
         for spec, _b, session, _ in compressed_once(model, tok, [ctx], [(m, 0.1) for m in specs]):
             caches[spec] = {i: session.cache.layers[i].kv() for i in session.cache.compressible}
@@ -61,7 +62,7 @@ def test_guardmerge_evicts_in_gemmas_copy_heads_and_keeps_the_needle_merging_the
             answers[spec] = score(tok.decode(out.tokens[0], skip_special_tokens=True), s.answer)
     guarded = merged = 0
     for i, kv in caches["guardmerge"].items():
-        evicted = caches["zipguard:alloc=head"][i]
+        evicted = caches[evicting][i]
         live = torch.isfinite(kv.log_n)
         if torch.equal(kv.keys, evicted.keys) and torch.allclose(kv.values, evicted.values, atol=1e-6) \
                 and torch.allclose(kv.log_n[live], torch.zeros_like(kv.log_n[live]), atol=1e-6):
@@ -70,4 +71,4 @@ def test_guardmerge_evicts_in_gemmas_copy_heads_and_keeps_the_needle_merging_the
             assert torch.equal(kv.keys, evicted.keys)  # the same picks, values merged
             merged += 1
     assert guarded >= 1 and merged >= 1, (guarded, merged)
-    assert answers == {"guardmerge": 1.0, "zipguard:alloc=head": 1.0, "zipmerge:base=zipguard": 0.0}
+    assert answers == {"guardmerge": 1.0, evicting: 1.0, "zipmerge:base=zipguard": 0.0}
