@@ -93,25 +93,14 @@ samples = 1
         suites.run_suite(suite, ["other"], tmp_path / "r", loader)
 
 
+def _family_suite(tmp_path, genres):
+    head = 'models = ["tiny"]\nmethods = ["full", "snapkv", "keydiff"]\nbudgets = [0.25]\nlengths = [2048]\nsamples = 10\n'
+    runs = "".join(f'[[run]]\ntask = "family"\nsubtasks = ["own_words"]\ntext = "{g}"\n' for g in genres)
+    return suites.load(_write(tmp_path, head + runs + '[[run]]\ntask = "fidelity"\nsamples = 3\n'))
+
+
 def test_family_totals_sum_answers_over_genres_for_methods_measured_on_each(tmp_path):
-    suite = suites.load(_write(tmp_path, """
-models = ["tiny"]
-methods = ["full", "snapkv", "keydiff"]
-budgets = [0.25]
-lengths = [2048]
-samples = 10
-[[run]]
-task = "family"
-subtasks = ["own_words"]
-text = "docs"
-[[run]]
-task = "family"
-subtasks = ["own_words"]
-text = "legal"
-[[run]]
-task = "fidelity"
-samples = 3
-"""))
+    suite = _family_suite(tmp_path, ["docs", "legal"])
     cell = lambda task, method, budget, score, n=10: dict(task=task, method=method, budget=budget,  # noqa: E731
                                                           length=2048, score=score, n=n)
     cells = [cell("own_words/docs", "full", 1.0, 0.4), cell("own_words/legal", "full", 1.0, 0.9),
@@ -120,17 +109,7 @@ samples = 3
     lines = suites.totals(suite, "tiny", cells).splitlines()
     assert lines[0] == "| method (summed over genres) | own_words 2k 25% (2 genres) |"
     assert lines[2:] == ["| full | 13/20 |", "| snapkv | 4/15 |"]
-    one_genre = suites.load(_write(tmp_path, """
-models = ["tiny"]
-methods = ["full"]
-budgets = [0.25]
-lengths = [2048]
-samples = 10
-[[run]]
-task = "family"
-subtasks = ["own_words"]
-"""))
-    assert suites.totals(one_genre, "tiny", cells) is None
+    assert suites.totals(_family_suite(tmp_path, ["docs"]), "tiny", cells) is None
     docs_only = [c for c in cells if c["task"] == "own_words/docs"]  # a genre nobody ran is not asked for
     assert suites.totals(suite, "tiny", docs_only) is None
 
