@@ -170,6 +170,11 @@ def header(suite: Suite, model: str, budgets=None) -> list[str]:
     return ["method"] + [c[0] for c in cols] + ["bytes/full at " + " / ".join(f"{b:.0%}" for b in shown)]
 
 
+def _budget(label: str, budget: float) -> float:
+    """The budget `label`'s rows are stored under: the full cache runs once, at 1.0."""
+    return 1.0 if label.split("@")[0] == "full" else budget
+
+
 def _cells(rows_raw: list[dict]) -> list[dict]:
     """Summarized rows (`runner.summarize`), a run found twice counted once."""
     return summarize(list({run_key(r["method"], r["budget"], r): r for r in rows_raw}.values()))
@@ -185,16 +190,15 @@ def table(suite: Suite, model: str, rows_raw: list[dict], budgets=None) -> str:
     head = header(suite, model, budgets)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label in labels:
-        full = label.split("@")[0] == "full"
         out = []
         for _name, task, n, b in cols:
-            r = cell.get((task, label, 1.0 if full else b, n))
+            r = cell.get((task, label, _budget(label, b), n))
             metric = METRICS.get(task.split("/")[0], ("score",))[0]
             out.append("–" if r is None else
                        (f"{r[metric]:.4f}" if metric == "kl" else f"{r[metric]:.0%}") + f" ({r['n']})")
         fractions = []
         for b in shown:
-            rs = [r for r in rows if r["method"] == label and "cache_fraction" in r and r["budget"] == (1.0 if full else b)]
+            rs = [r for r in rows if r["method"] == label and "cache_fraction" in r and r["budget"] == _budget(label, b)]
             fractions.append(f"{sum(r['cache_fraction'] for r in rs) / len(rs):.3f}" if rs else "–")
         if any(x != "–" for x in out):
             lines.append(f"| {label} | " + " | ".join(out) + " | " + " / ".join(fractions) + " |")
@@ -227,7 +231,7 @@ def totals(suite: Suite, model: str, cells: list[dict], budgets=None) -> str | N
     for label in labels:
         out = []
         for fam, n, b in cols:
-            rs = [cell.get((t, label, 1.0 if label.split("@")[0] == "full" else b, n)) for t in groups[fam, n]]
+            rs = [cell.get((t, label, _budget(label, b), n)) for t in groups[fam, n]]
             out.append("–" if None in rs else f"{round(sum(r['score'] * r['n'] for r in rs))}/{sum(r['n'] for r in rs)}")
         if any(x != "–" for x in out):
             lines.append(f"| {label} | " + " | ".join(out) + " |")

@@ -27,7 +27,6 @@ class GuardMerge(ZipMerge):
     name = "guardmerge"
 
     def __post_init__(self):
-        if isinstance(self.base, ZipGuard) and (self.base.saturated, self.base.fallback) != (self.saturated, self.fallback):
-            # one test: the guarded heads evict; one ranking for them
+        if isinstance(self.base, ZipGuard):  # one test: the guarded heads evict; one ranking for them
             self.base = replace(self.base, saturated=self.saturated, fallback=self.fallback)
         super().__post_init__()
