@@ -303,7 +303,8 @@ class Session:
             kv = layer.kv()
             state.scratch["_alloc_scores"] = method.scores(kv.keys, kv.log_n, context(i, kv, torch.arange(kv.keys.shape[0]), state))
             scores.append(state.scratch["_alloc_scores"])
-        for state, counts in zip(states, global_counts(scores, target, method.sinks, window, method.alloc)):
+        for state, counts in zip(states, global_counts(scores, target, method.sinks, window, method.alloc,
+                                                                     method.floor)):
             state.scratch["_alloc_counts"] = counts
 
     # -- batch and state ----------------------------------------------------------------------

@@ -46,6 +46,45 @@ def test_global_counts_equal_a_brute_force_global_top_k(L, h, s, frac, seed):
 
 
 @settings(max_examples=40, deadline=None)
+@given(L=st.integers(1, 4), h=st.integers(1, 3), s=st.integers(8, 40), frac=st.floats(0.2, 1.0),
+       floor=st.floats(0.0, 1.0), seed=st.integers(0, 99))
+def test_floor_guarantees_each_heads_share_then_spends_the_rest_globally(L, h, s, frac, floor, seed):
+    """AdaKV's safeguard: every head first keeps its own top entries up to round(floor·target) in all;
+    the rest of the pool goes to the highest remaining scores over every layer and head (brute force)."""
+    g = torch.Generator().manual_seed(seed)
+    scores = [torch.rand(2, h, s, generator=g) * (l + 1) ** 2 for l in range(L)]  # later layers rank first
+    sinks, window = 2, 3
+    target = max(int(frac * s), sinks + window)
+    counts = global_counts(scores, target, sinks, window, "head", floor)
+    prot = sinks + window
+    safe = min(max(round(floor * target) - prot, 0), target - prot)
+    brute = torch.full((L, 2, h), prot + safe)
+    for r in range(2):
+        rest = []
+        for l in range(L):
+            for j in range(h):
+                free = sorted((float(scores[l][r, j, i]) for i in range(sinks, s - window)), reverse=True)
+                rest += [(v, l, j) for v in free[safe:]]
+        for _, l, j in sorted(rest, key=lambda c: -c[0])[:L * h * (target - prot - safe)]:
+            brute[l, r, j] += 1
+    assert torch.equal(counts, brute)
+    assert (counts >= min(max(round(floor * target), prot), target)).all()
+    assert (counts.sum((0, 2)) == L * h * target).all()  # the same total: only its spread changes
+    if floor == 0.0:
+        assert torch.equal(counts, global_counts(scores, target, sinks, window, "head"))
+    if floor == 1.0:  # the whole budget guaranteed: the uniform allocation
+        assert (counts == target).all()
+
+
+def test_floor_is_refused_where_nothing_is_allocated_globally():
+    with pytest.raises(ValueError, match="floor"):
+        kvmerge.get_method("snapkv", floor=0.2)
+    with pytest.raises(ValueError, match="floor"):
+        kvmerge.get_method("kvzip", alloc="head", floor=1.5)
+    assert kvmerge.get_method("kvzip", alloc="head", floor=0.2).floor == 0.2
+
+
+@settings(max_examples=40, deadline=None)
 @given(L=st.integers(1, 4), h=st.integers(1, 3), s=st.integers(8, 40), frac=st.floats(0.2, 1.0), seed=st.integers(0, 99))
 def test_fitted_widths_are_the_longest_global_prefix_whose_padded_layers_fit(L, h, s, frac, seed):
     """alloc="fit": walk the global ranking one entry at a time; stop before the first entry that would

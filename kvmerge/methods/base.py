@@ -151,14 +151,21 @@ class ScoringMethod(Method):
     "fit": the per-head global ranking with that padding paid for: the longest prefix of the ranking
     whose layers, each as wide as its widest head, fit in the uniform bytes; every head of a layer keeps
     that width, its would-be padding filled with its own next-best entries (no empty slots).
+    `floor` (global allocation only; AdaKV's `alpha_safeguard`): every (layer, head) keeps at least this
+    fraction of the uniform count, its own best entries, before the rest is spent globally.
     Global allocation needs a one-shot compression of rows without padding."""
 
     alloc: str = "uniform"
+    floor: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()
         if self.alloc not in ALLOCATIONS:
             raise ValueError(f"alloc must be one of {', '.join(ALLOCATIONS)}, got {self.alloc!r}")
+        if not 0.0 <= self.floor <= 1.0 or (self.floor > 0 and self.alloc == "uniform"):
+            raise ValueError(f"floor must be a fraction in [0, 1], above 0 only with a global alloc ('layer', "
+                             f"'head' or 'fit': it bounds how few entries a head keeps there), got "
+                             f"floor={self.floor}, alloc={self.alloc!r}")
 
     def scores(self, keys, log_n, ctx: LayerContext) -> torch.Tensor:
         """`(b, h, s)`: higher is kept first."""

@@ -1,4 +1,4 @@
-"""Methods by name: the registry, and spec strings (`"evictmerge:base=h2o:floor=0.5"`) parsed in one place."""
+"""Methods by name: the registry, and spec strings (`"evictmerge:base=h2o:min_cosine=0.5"`) parsed in one place."""
 
 from __future__ import annotations
 

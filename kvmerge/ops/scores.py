@@ -218,12 +218,14 @@ def round_robin(*scores):
     return -turn.float()
 
 
-def global_counts(scores: list[torch.Tensor], target: int, sinks: int, window: int, mode: str) -> torch.Tensor:
+def global_counts(scores: list[torch.Tensor], target: int, sinks: int, window: int, mode: str,
+                  floor: float = 0.0) -> torch.Tensor:
     """How many entries each (layer, row, head) keeps when the budget is spent globally (KVzip, AdaKV).
 
-    scores: one `(b, h, s)` per layer (same b, h, s). Every head keeps its protected sinks + window;
-    the rest of the row's L·h·`target` entries go to the highest unprotected scores over every layer
-    and head together. `mode`:
+    scores: one `(b, h, s)` per layer (same b, h, s). Every head keeps its protected sinks + window
+    and, with `floor` > 0 (AdaKV's safeguard), its own best entries up to round(`floor`·`target`) in
+    all; the rest of the row's L·h·`target` entries go to the highest unprotected scores over every
+    layer and head together. `mode`:
     * "head": counts per (layer, row, head), as picked (a layer's heads are later padded to its largest);
     * "layer": each layer's picks evened out over its heads (one count per layer and row, the total kept);
     * "fit": the per-head picks with the padding paid for: the longest prefix of the global ranking whose
@@ -236,6 +238,10 @@ def global_counts(scores: list[torch.Tensor], target: int, sinks: int, window: i
     target = min(target, s)
     protected = min(sinks + window, s)
     free = torch.stack([fill_protected(x, sinks, window, float("-inf")) for x in scores], 1)  # (b, L, h, s)
+    safe = min(max(round(floor * target) - protected, 0), max(target - protected, 0))
+    if safe:  # each head's own top `safe` free entries rank first (AdaKV's safeguard)
+        top = free.float().topk(safe, dim=-1).indices
+        free = free.float().scatter(-1, top, torch.finfo(torch.float32).max)
     if mode == "fit":
         return _fitted_widths(free, protected, L * target).permute(1, 0, 2).contiguous()
     pool = L * h * max(target - protected, 0)
