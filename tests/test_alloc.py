@@ -209,6 +209,25 @@ def test_per_layer_and_fitted_allocation_pad_nothing_and_keep_the_uniform_bytes(
     assert sum(entries) > len(entries) * (method.target(160) - 1)
 
 
+@pytest.mark.parametrize("spec", ["snapkv:alloc=head:window=8", "zipmerge:window=8"])
+def test_a_full_floor_is_the_uniform_allocation_and_a_partial_one_lifts_the_poorest_head(spec):
+    """floor=1 guarantees every head the uniform count, so it keeps exactly the uniform cache; a partial
+    floor keeps the total and lifts the poorest head to at least its share."""
+    model = tiny_model(num_hidden_layers=3)
+    uniform_spec = spec.replace("alloc=head", "alloc=uniform") if "alloc=head" in spec else spec + ":alloc=uniform"
+    _, uniform, u_logits = _compressed(model, uniform_spec)
+    _, floored, f_logits = _compressed(model, spec + ":floor=1")
+    for i in uniform.cache.compressible:
+        assert all(torch.equal(a, b) for a, b in zip(_live(uniform.cache.layers[i]), _live(floored.cache.layers[i])))
+    _, free, _ = _compressed(model, spec)
+    method, half, _ = _compressed(model, spec + ":floor=0.9")
+    counts = [(~torch.isinf(s.cache.layers[i].kv().log_n[0])).sum(-1) for s in (free, half) for i in s.cache.compressible]
+    free_counts, half_counts = torch.stack(counts[:3]), torch.stack(counts[3:])
+    assert int(free_counts.min()) < round(0.9 * method.target(160))  # the floor has something to do here
+    assert int(half_counts.min()) >= round(0.9 * method.target(160))
+    assert int(half_counts.sum()) == int(free_counts.sum())
+
+
 def test_global_allocation_greedy_generation_runs_and_refuses_what_it_cannot_do():
     model = tiny_model()
     m = kvmerge.get_method("kvzip", budget=0.25, window=8, chunk=64, alloc="layer")
