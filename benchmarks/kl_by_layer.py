@@ -35,8 +35,7 @@ def main():
             logits = full.prefill([sample.context])
             full_layers = full.snapshot()[1]
             reference = fidelity.teacher_forced(full, logits, sample.answer)
-            layers_all = full.cache.compressible
-            layers = layers_all[:args.max_layers]
+            layers = full.cache.compressible[:args.max_layers]
             for spec in args.methods.split(","):
                 session = kvmerge.Session(model, 1, kvmerge.method_from_spec(spec, args.budget), tok)
                 first = session.prefill([sample.context])
@@ -44,10 +43,8 @@ def main():
                 kept = [session.cache.layers[j].entries for j in layers]
                 kl = []
                 for only in [None] + layers:
-                    state, own, states = compressed
-                    mixed = [x if only is None or j == only or j not in layers_all else full_layers[j]
-                             for j, x in enumerate(own)]
-                    session.restore((state, mixed, states))
+                    state, own, states = compressed  # sliding layers are the same in both sessions
+                    session.restore((state, [x if only in (None, j) else full_layers[j] for j, x in enumerate(own)], states))
                     logp = fidelity.teacher_forced(session, first, sample.answer)
                     kl.append(fidelity.compare(reference, logp, sample.answer)["kl"])
                 parts = ", ".join(f"layer {j} {k:.4f} ({n} kept)" for j, k, n in zip(layers, kl[1:], kept))

@@ -240,8 +240,8 @@ def global_counts(scores: list[torch.Tensor], target: int, sinks: int, window: i
     free = torch.stack([fill_protected(x, sinks, window, float("-inf")) for x in scores], 1)  # (b, L, h, s)
     safe = min(max(round(floor * target) - protected, 0), max(target - protected, 0))
     if safe:  # each head's own top `safe` free entries rank first (AdaKV's safeguard)
-        top = free.float().topk(safe, dim=-1).indices
-        free = free.float().scatter(-1, top, torch.finfo(torch.float32).max)
+        free = free.float()
+        free = free.scatter(-1, free.topk(safe, dim=-1).indices, torch.finfo(torch.float32).max)
     if mode == "fit":
         return _fitted_widths(free, protected, L * target).permute(1, 0, 2).contiguous()
     pool = L * h * max(target - protected, 0)
