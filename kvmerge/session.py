@@ -229,7 +229,10 @@ class Session:
         first = layers[0]
         n = first.entries
         dense = first.log_n is None  # no padding: every row has the same tokens
-        target = min(method.running_target(int(self.seen.max()), window), n) if running else method.target(n, window)
+        extra = self._hold_sliding(method, layers, running, dense)
+        def target_of(n, seen):
+            return min((method.running_target(seen, window) if running else method.target(n, window)) + extra, n)
+        target = target_of(n, int(self.seen.max()))
         method.plan(layers, states, LayerContext(
             layer_idx=-1, num_layers=len(layers), target=target, sinks=method.sinks,
             window=window, scaling=scaling, rows=torch.arange(first.keys.shape[0]),
@@ -242,7 +245,7 @@ class Session:
                 keep = keep if method.query_window < 0 else min(keep, method.query_window)
                 queries = state.queries[rows][:, :, state.queries.shape[2] - keep:]
             seen = int(self.seen[rows].max())
-            target = min(method.running_target(seen, window), n) if running else method.target(n, window)
+            target = target_of(n, seen)
             fresh = min(n, int(self.plain[rows].min()))
             return LayerContext(
                 layer_idx=i, num_layers=len(layers), target=target, sinks=method.sinks,
@@ -281,6 +284,22 @@ class Session:
         self.captured.zero_()
         self.memo = {}
         self.plain = torch.where(compressed, self.plain.clamp(max=window), self.plain)  # the window stays plain
+
+    def _hold_sliding(self, method, layers, running, dense) -> int:
+        """Apply `method.sliding`: every sliding layer holds its last `sliding` slots from now on; returns
+        the entries this frees per KV head of the compressed `layers` (0 without `sliding`)."""
+        if method.sliding is None:
+            return 0
+        sliding = [layer for layer in self.cache.layers if getattr(layer, "is_sliding", False)]
+        if not sliding:
+            raise ValueError(f"{method.name}: sliding={method.sliding} shortens sliding-window layers, and this model "
+                             "has none")
+        if running or not dense:
+            raise ValueError(f"{method.name}: sliding={method.sliding} moves one count of slots from the sliding "
+                             "layers to the compressed ones, so it needs a one-shot compression (no prefill_chunk) "
+                             "of rows without padding (one row, or rows of one length)")
+        freed = sum(layer.hold(method.sliding) * layer.keys.shape[1] for layer in sliding)
+        return freed // sum(layer.keys.shape[1] for layer in layers)
 
     @staticmethod
     def _allocate_globally(method, layers, states, context, target, window, running, dense) -> None:

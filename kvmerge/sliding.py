@@ -1,5 +1,5 @@
-"""Sliding-window layers of hybrid models (Gemma 3, Mistral-style): kept exactly as transformers keeps
-them, never compressed, with the positions their window mask needs."""
+"""Sliding-window layers of hybrid models (Gemma 3, Mistral-style): kept as transformers keeps them
+(or, with `hold`, fewer of their last slots), never compressed, with the positions their window mask needs."""
 
 from __future__ import annotations
 
@@ -9,15 +9,17 @@ from .layer import MergedLayer
 
 
 class SlidingLayer(MergedLayer):
-    """A sliding-window layer, kept exactly as transformers keeps it: never compressed, it holds the
-    slots the next queries can still see (each row's last `window` − 1 positions). `positions`
-    `(batch, slots)` are the slots' true positions, which the attention's window mask reads."""
+    """A sliding-window layer, never compressed: between steps it holds each row's last `held` positions,
+    `window` − 1 (the slots the next queries can still see, as transformers keeps them) unless `hold`
+    lowered it. `positions` `(batch, slots)` are the slots' true positions, which the attention's window
+    mask reads; a step's queries see the held slots and the step's own, within the window."""
 
     is_sliding = True
 
     def __init__(self, window: int, **kwargs):
         super().__init__(**kwargs)
         self.window = window
+        self.held = window - 1
         self.positions: torch.Tensor | None = None
 
     def update(self, key_states, value_states, new_log_n=None, new_positions=None):
@@ -30,20 +32,39 @@ class SlidingLayer(MergedLayer):
         new_positions = new_positions.to(key_states.device).expand(b, q)
         self.positions = new_positions if self.positions is None else torch.cat([self.positions, new_positions], -1)
         seen = (keys, values, self.log_n, self.positions)
+        self._drop_unheld()
+        return seen
+
+    def hold(self, slots: int) -> int:
+        """From now on keep each row's last `slots` positions between steps (at most `window` − 1),
+        dropping older ones now; returns the slots per row and KV head freed (of a row holding all)."""
+        if slots < 1:
+            raise ValueError(f"a sliding layer must hold at least 1 slot, got {slots}")
+        before = self.positions.shape[1] if self.positions is not None else 0
+        self.held = min(slots, self.window - 1)
+        if self.positions is not None:
+            self._drop_unheld()
+        freed = before - (self.positions.shape[1] if self.positions is not None else 0)
+        if freed:  # own buffers, so the dropped slots' memory is released, not kept under a view
+            self._keys, self._values = self._keys.clone(), self._values.clone()
+            self._log_n = None if self._log_n is None else self._log_n.clone()
+        return freed
+
+    def _drop_unheld(self) -> None:
         live = torch.ones_like(self.positions, dtype=torch.bool) if self.log_n is None else ~torch.isinf(self.log_n[:, 0])
         next_pos = self.positions.masked_fill(~live, -1).amax(-1, keepdim=True) + 1
-        needed = live & (self.positions > next_pos - self.window)
+        needed = live & (self.positions >= next_pos - self.held)
         start = int(needed.any(0).long().argmax()) if bool(needed.any()) else self.positions.shape[1]
         if start:
             self.drop_first(start)
             self.positions = self.positions[:, start:]
             if self.log_n is not None and not bool(torch.isinf(self.log_n).any()):
                 self._log_n = None
-        return seen
 
     def reset(self) -> None:
         super().reset()
         self.positions = None
+        self.held = self.window - 1
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)

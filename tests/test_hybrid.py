@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import kvmerge
 from kvmerge.cache import SlidingLayer, bytes_per_token
 
-from .conftest import TinyTokenizer, next_query, random_ids, session_logits, stock_logits
+from .conftest import TinyTokenizer, next_query, random_ids, session_logits, stock_logits, tiny_model
 
 WINDOW = 8
 
@@ -100,3 +100,63 @@ def test_model_generate_on_a_hybrid_model_equals_kvmerge_generate():
 def test_an_all_sliding_model_has_nothing_to_compress_and_says_so():
     with pytest.raises(ValueError, match="sliding-window layers only"):
         kvmerge.generate_ids(mistral_sliding(), random_ids(40), [3], kvmerge.get_method("snapkv", budget=0.5, window=4))
+
+
+# -- sliding=k: sliding layers hold their last k slots, the freed slots go to the compressed layers ------
+
+def test_a_held_sliding_layer_keeps_its_last_slots_between_steps():
+    layer = SlidingLayer(WINDOW)
+    kv = lambda q: (torch.randn(1, 2, q, 4), torch.randn(1, 2, q, 4))  # noqa: E731
+    layer.update(*kv(20))
+    assert layer.positions.tolist() == [list(range(13, 20))]  # window - 1, as transformers keeps
+    assert layer.hold(3) == 4 and layer.positions.tolist() == [[17, 18, 19]]
+    _, _, _, seen = layer.update(*kv(5))
+    assert seen.tolist() == [[17, 18, 19, 20, 21, 22, 23, 24]]  # a step sees the held slots and its own
+    assert layer.positions.tolist() == [[22, 23, 24]] and layer.keys.shape[2] == 3
+    with pytest.raises(ValueError, match="at least 1 slot"):
+        layer.hold(0)
+
+
+def _held_sliding_mask(n, split, held, steps):
+    """Stock transformers masks (bool, True = attend) for `sliding=held`: prefill `split` tokens, feed
+    the rest in one step, then `steps` tokens one by one."""
+    p, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    causal = j <= p
+    first = torch.where(p < split, 0, torch.where(p < n - steps, split - held, p - held))  # oldest slot held
+    return {"full_attention": causal[None, None], "sliding_attention": (causal & (p - j < WINDOW) & (j >= first))[None, None]}
+
+
+def test_full_with_held_sliding_layers_equals_stock_model_with_that_mask():
+    model, ids, held = gemma3(), random_ids(44, seed=9), 3
+    s = kvmerge.Session(model, 1, kvmerge.get_method("full", sliding=held))
+    with torch.no_grad():
+        s.prefill([ids[:30]])
+        got = [s.forward([ids[30:40]], all_logits=True)[0]] + [s.forward([[t]])[0][None] for t in ids[40:]]
+        ref = model(torch.tensor([ids]), attention_mask=_held_sliding_mask(44, 30, held, 4)).logits[0, 30:]
+    assert torch.allclose(torch.cat(got), ref, atol=1e-5)
+    assert [layer.entries for layer in s.cache.layers[::2]] == [held, held]
+
+
+def test_sliding_moves_freed_slots_to_the_compressed_layers_in_the_same_bytes():
+    model, ctx = gemma3(), random_ids(120, seed=2)
+    plain = kvmerge.generate_ids(model, ctx, [5, 6], kvmerge.get_method("snapkv", budget=0.25, window=4), max_new_tokens=1)
+    held = kvmerge.generate_ids(model, ctx, [5, 6], kvmerge.get_method("snapkv", budget=0.25, window=4, sliding=3),
+                                max_new_tokens=1)
+    # 2 sliding layers x 2 KV heads free 4 slots each: 16 entries, 4 more per compressed KV head
+    assert held.stats["cache_entries"] == [3, 34, 3, 34]
+    assert held.stats["cache_bytes"] == plain.stats["cache_bytes"]
+    same = kvmerge.generate_ids(model, ctx, [5, 6], kvmerge.get_method("snapkv", budget=0.25, window=4,
+                                                                       sliding=WINDOW - 1), max_new_tokens=6)
+    assert same.tokens == kvmerge.generate_ids(model, ctx, [5, 6], kvmerge.get_method("snapkv", budget=0.25, window=4),
+                                               max_new_tokens=6).tokens
+
+
+def test_sliding_is_refused_where_it_cannot_apply():
+    with pytest.raises(ValueError, match="sliding must be"):
+        kvmerge.get_method("snapkv", sliding=0)
+    with pytest.raises(ValueError, match="has none"):
+        kvmerge.generate_ids(tiny_model(), random_ids(60), [3], kvmerge.get_method("snapkv", budget=0.5, window=4,
+                                                                                    sliding=4))
+    with pytest.raises(ValueError, match="one-shot"):
+        kvmerge.generate_ids(gemma3(), random_ids(60), [3], kvmerge.get_method("snapkv", budget=0.5, window=4, sliding=4),
+                             prefill_chunk=20)

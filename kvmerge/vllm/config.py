@@ -156,6 +156,9 @@ def refusal(method: Method) -> str | None:
     if getattr(method, "alloc", "uniform") != "uniform":
         return (f"{name}: alloc={method.alloc!r} gives layers or heads different entry counts; vLLM's block table is "
                 "shared by every layer and head of a request, so each keeps the same count")
+    if method.sliding is not None:
+        return (f"{name}: sliding={method.sliding} shortens sliding-window layers; the plugin serves models with "
+                "full-attention layers only")
     if _per_layer_budgets(method):
         return (f"{name} sets per-layer budgets; vLLM's block table is shared by every layer of a request, so every "
                 "layer keeps the same number of entries (the largest could be kept and the rest masked; not "
