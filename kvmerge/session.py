@@ -298,7 +298,10 @@ class Session:
             raise ValueError(f"{method.name}: sliding={method.sliding} moves one count of slots from the sliding "
                              "layers to the compressed ones, so it needs a one-shot compression (no prefill_chunk) "
                              "of rows without padding (one row, or rows of one length)")
-        freed = sum(layer.hold(method.sliding) * layer.keys.shape[1] for layer in sliding)
+        def slots(layer):
+            share = method.sliding
+            return share if isinstance(share, int) else max(1, round(share * (layer.window - 1)))
+        freed = sum(layer.hold(slots(layer)) * layer.keys.shape[1] for layer in sliding)
         return freed // sum(layer.keys.shape[1] for layer in layers)
 
     @staticmethod

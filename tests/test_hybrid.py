@@ -145,6 +145,9 @@ def test_sliding_moves_freed_slots_to_the_compressed_layers_in_the_same_bytes():
     # 2 sliding layers x 2 KV heads free 4 slots each: 16 entries, 4 more per compressed KV head
     assert held.stats["cache_entries"] == [3, 34, 3, 34]
     assert held.stats["cache_bytes"] == plain.stats["cache_bytes"]
+    half = kvmerge.generate_ids(model, ctx, [5, 6], kvmerge.get_method("snapkv", budget=0.25, window=4, sliding=0.5),
+                                max_new_tokens=1)  # half of window - 1 = 7: 4 slots held, 3 freed per head
+    assert half.stats["cache_entries"] == [4, 33, 4, 33]
     same = kvmerge.generate_ids(model, ctx, [5, 6], kvmerge.get_method("snapkv", budget=0.25, window=4,
                                                                        sliding=WINDOW - 1), max_new_tokens=6)
     assert same.tokens == kvmerge.generate_ids(model, ctx, [5, 6], kvmerge.get_method("snapkv", budget=0.25, window=4),
@@ -152,8 +155,9 @@ def test_sliding_moves_freed_slots_to_the_compressed_layers_in_the_same_bytes():
 
 
 def test_sliding_is_refused_where_it_cannot_apply():
-    with pytest.raises(ValueError, match="sliding must be"):
-        kvmerge.get_method("snapkv", sliding=0)
+    for bad in (0, 0.0, 1.5, True, "half"):
+        with pytest.raises(ValueError, match="sliding must be"):
+            kvmerge.get_method("snapkv", sliding=bad)
     with pytest.raises(ValueError, match="has none"):
         kvmerge.generate_ids(tiny_model(), random_ids(60), [3], kvmerge.get_method("snapkv", budget=0.5, window=4,
                                                                                     sliding=4))

@@ -61,7 +61,8 @@ class Method:
     `budget`: a float in (0, 1] is the fraction of context tokens kept per layer and KV head; an int is
     an absolute number of entries. The `sinks` first and `window` last tokens are protected and count
     inside the budget. `sliding` (models with sliding-window layers): each sliding layer holds only its
-    last `sliding` slots from the compression on (instead of its window − 1), and the slots this frees
+    last `sliding` slots (an int; a float in (0, 1] is that fraction of its window − 1) from the
+    compression on, instead of its window − 1, and the slots this frees
     at the compression go to the compressed layers' budget, spread evenly over their KV heads, so the
     cache's bytes do not grow; None keeps sliding layers as transformers does. The runtime calls `setup` once per request, captures the last `query_window`
     prompt queries (-1: all) and computes surprisal if `needs_surprisal`, calls `plan` once with every
@@ -84,9 +85,11 @@ class Method:
             raise TypeError(f"budget must be a float in (0, 1] or an int number of entries, got {self.budget!r}")
         if self.sinks < 0 or self.window < 0:
             raise ValueError(f"sinks and window must be >= 0, got sinks={self.sinks}, window={self.window}")
-        if self.sliding is not None and (isinstance(self.sliding, bool) or not isinstance(self.sliding, int)
-                                         or self.sliding < 1):
-            raise ValueError(f"sliding must be a number of slots >= 1 (or None), got {self.sliding!r}")
+        slots = isinstance(self.sliding, int) and not isinstance(self.sliding, bool) and self.sliding >= 1
+        fraction = isinstance(self.sliding, float) and 0.0 < self.sliding <= 1.0
+        if self.sliding is not None and not (slots or fraction):
+            raise ValueError(f"sliding must be a number of slots >= 1 or a fraction of the window in (0, 1] "
+                             f"(or None), got {self.sliding!r}")
         if isinstance(self.budget, float):
             if not (0.0 < self.budget <= 1.0) or math.isnan(self.budget):
                 raise ValueError(f"budget fraction must be in (0, 1], got {self.budget}")
