@@ -45,6 +45,7 @@ def test_methods_that_read_the_rotary_or_surprisal_are_accepted_and_others_are_n
     for name in ("expectmerge", "surprisemerge", "surprisal", "expected_attention", "mixed_attention"):
         assert refusal(get_method(name)) is None, name
     assert refusal(get_method("kvzip")).startswith("kvzip")
+    assert "sliding=0.5 shortens sliding-window layers" in refusal(get_method("snapkv", sliding=0.5))
 
 
 def test_compress_prompt_passes_the_surprisal_and_a_pre_sliced_query_window():
