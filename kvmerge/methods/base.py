@@ -60,11 +60,11 @@ class Method:
 
     `budget`: a float in (0, 1] is the fraction of context tokens kept per layer and KV head; an int is
     an absolute number of entries. The `sinks` first and `window` last tokens are protected and count
-    inside the budget. `sliding` (models with sliding-window layers): each sliding layer holds only its
-    last `sliding` slots (an int; a float in (0, 1] is that fraction of its window − 1) from the
-    compression on, instead of its window − 1, and the slots this frees
-    at the compression go to the compressed layers' budget, spread evenly over their KV heads, so the
-    cache's bytes do not grow; None keeps sliding layers as transformers does. The runtime calls `setup` once per request, captures the last `query_window`
+    inside the budget. `sliding` (models with sliding-window layers): from the compression on, each
+    sliding layer holds only its last `sliding` slots (an int; a float in (0, 1] is that fraction of its
+    window − 1) instead of its window − 1, and the slots this frees go to the compressed layers' budget,
+    spread evenly over their KV heads, so the cache's bytes do not grow; None keeps sliding layers as
+    transformers does. The runtime calls `setup` once per request, captures the last `query_window`
     prompt queries (-1: all) and computes surprisal if `needs_surprisal`, calls `plan` once with every
     layer, `compress` per layer, and `on_decode` after each decoding step's attention per layer.
     """
@@ -72,7 +72,7 @@ class Method:
     budget: float | int = 0.25
     sinks: int = 4
     window: int = 32
-    sliding: int | None = None
+    sliding: int | float | None = None
     stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     name: ClassVar[str] = ""
