@@ -72,3 +72,26 @@ def test_guardmerge_evicts_in_gemmas_copy_heads_and_keeps_the_needle_merging_the
             merged += 1
     assert guarded >= 1 and merged >= 1, (guarded, merged)
     assert answers == {"guardmerge": 1.0, evicting: 1.0, "zipmerge:base=zipguard": 0.0}
+
+
+@pytest.mark.ci_slow
+def test_the_sliding_share_moves_gemmas_local_slots_to_its_global_layers_in_the_same_bytes(gemma):
+    """`sliding=0.5`: the 15 sliding layers hold their last 256 slots, the 15 × 255 freed go to the
+    three global layers (1 KV head each), the cache's bytes stay SnapKV's own; with the trim alone the
+    needle stays."""
+    from kvmerge_eval.niah import make_sample, score
+    from kvmerge_eval.runner import prompt_ids
+
+    model, tok = gemma
+    s = make_sample(tok, 1500, depth=0.4, seed=5)
+    ctx, q = prompt_ids(tok, s)
+    plain, shared = (kvmerge.generate_ids(model, ctx, q, kvmerge.get_method("snapkv", budget=0.1, **kw),
+                                          max_new_tokens=8, tokenizer=tok) for kw in ({}, {"sliding": 0.5}))
+    target = kvmerge.get_method("snapkv", budget=0.1).target(len(ctx))
+    entries = shared.stats["cache_entries"]
+    assert [entries[i] for i in (0, 4, 6)] == [256] * 3 and plain.stats["cache_entries"][0] == 511
+    assert entries[5] == plain.stats["cache_entries"][5] + 15 * 255 // 3 == target + 1275
+    assert shared.stats["cache_bytes"] == plain.stats["cache_bytes"]
+    trimmed = kvmerge.generate_ids(model, ctx, q, kvmerge.get_method("full", sliding=0.5), max_new_tokens=8,
+                                   tokenizer=tok)  # the trim alone: the global layers whole, the needle kept
+    assert score(tok.decode(trimmed.tokens[0], skip_special_tokens=True), s.answer) == 1.0
