@@ -229,7 +229,7 @@ class Session:
         first = layers[0]
         n = first.entries
         dense = first.log_n is None  # no padding: every row has the same tokens
-        extra = self._hold_sliding(method, layers, running, dense)
+        extra = self._hold_sliding(method, layers)
         def target_of(n, seen):
             return min((method.running_target(seen, window) if running else method.target(n, window)) + extra, n)
         target = target_of(n, int(self.seen.max()))
@@ -285,23 +285,28 @@ class Session:
         self.memo = {}
         self.plain = torch.where(compressed, self.plain.clamp(max=window), self.plain)  # the window stays plain
 
-    def _hold_sliding(self, method, layers, running, dense) -> int:
+    def _hold_sliding(self, method, layers) -> int:
         """Apply `method.sliding`: every sliding layer holds its last `sliding` slots from now on; returns
-        the entries this frees per KV head of the compressed `layers` (0 without `sliding`)."""
+        the entries this frees per KV head of the compressed `layers` (0 without `sliding`). The count is
+        what a full window would hold against what is held, so every chunk of a chunked prefill gets it."""
         if method.sliding is None:
             return 0
         sliding = [layer for layer in self.cache.layers if getattr(layer, "is_sliding", False)]
         if not sliding:
             raise ValueError(f"{method.name}: sliding={method.sliding} shortens sliding-window layers, and this model "
                              "has none")
-        if running or not dense:
+        seen = int(self.seen[0])
+        if not bool((self.seen == seen).all()):
             raise ValueError(f"{method.name}: sliding={method.sliding} moves one count of slots from the sliding "
-                             "layers to the compressed ones, so it needs a one-shot compression (no prefill_chunk) "
-                             "of rows without padding (one row, or rows of one length)")
-        def slots(layer):
+                             "layers to the compressed ones, so it needs rows of one length (one row, or rows of "
+                             "one length)")
+        freed = 0
+        for layer in sliding:
             share = method.sliding
-            return share if isinstance(share, int) else max(1, round(share * (layer.window - 1)))
-        freed = sum(layer.hold(slots(layer)) * layer.keys.shape[1] for layer in sliding)
+            slots = share if isinstance(share, int) else max(1, round(share * (layer.window - 1)))
+            layer.hold(slots)
+            full = min(layer.window - 1, seen)
+            freed += (full - min(layer.held, full)) * layer.keys.shape[1]
         return freed // sum(layer.keys.shape[1] for layer in layers)
 
     @staticmethod

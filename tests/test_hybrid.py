@@ -161,6 +161,34 @@ def test_sliding_is_refused_where_it_cannot_apply():
     with pytest.raises(ValueError, match="has none"):
         kvmerge.generate_ids(tiny_model(), random_ids(60), [3], kvmerge.get_method("snapkv", budget=0.5, window=4,
                                                                                     sliding=4))
-    with pytest.raises(ValueError, match="one-shot"):
-        kvmerge.generate_ids(gemma3(), random_ids(60), [3], kvmerge.get_method("snapkv", budget=0.5, window=4, sliding=4),
-                             prefill_chunk=20)
+    session = kvmerge.Session(gemma3(), 2, kvmerge.get_method("snapkv", budget=0.5, window=4, sliding=4))
+    with pytest.raises(ValueError, match="rows of one length"):
+        session.prefill([random_ids(60), random_ids(50)])
+
+
+def _chunked_held_mask(n, chunk, held):
+    """Stock transformers masks for `sliding=held` under a prefill in chunks of `chunk`: from the first
+    compression on, a chunk's queries see only the `held` slots before it (and their own chunk)."""
+    p, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    causal = j <= p
+    first = (p // chunk) * chunk - held
+    return {"full_attention": causal[None, None], "sliding_attention": (causal & (p - j < WINDOW) & (j >= first))[None, None]}
+
+
+def test_chunked_prefill_holds_the_sliding_layers_between_chunks():
+    model, ids, held = gemma3(), random_ids(40, seed=4), 3
+    s = kvmerge.Session(model, 1, kvmerge.get_method("full", sliding=held))
+    with torch.no_grad():
+        s.prefill([ids[:30]], chunk=10)
+        got = s.forward([ids[30:40]], all_logits=True)[0]
+        ref = model(torch.tensor([ids]), attention_mask=_chunked_held_mask(40, 10, held)).logits[0, 30:]
+    assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_chunked_sliding_moves_the_same_slots_in_the_same_bytes():
+    model, ctx = gemma3(), random_ids(120, seed=2)
+    run = lambda **kw: kvmerge.generate_ids(model, ctx, [5, 6], kvmerge.get_method(  # noqa: E731
+        "snapkv", budget=0.25, window=4, **kw), max_new_tokens=1, prefill_chunk=40)
+    plain, held = run(), run(sliding=3)
+    assert held.stats["cache_entries"] == [3, 34, 3, 34]  # as one-shot: 4 more per compressed KV head
+    assert held.stats["cache_bytes"] == plain.stats["cache_bytes"]
