@@ -123,6 +123,8 @@ class Session:
         width = max(len(r) for r in rows)
         if chunk is not None:
             self._check_chunk(chunk, window)
+        if method is not None and method.sliding is not None:  # refused before any forward, not after
+            self._check_sliding(method, [int(s) + len(r) for s, r in zip(self.seen, rows)])
         if chunk is None or chunk >= width:
             t0 = time.perf_counter()
             logits, surprisal, t1 = self.feed_prompt(rows, 0 if method is None else method.query_window,
@@ -259,7 +261,7 @@ class Session:
                 self._allocate_globally(method, layers, states, context, target, window, running, dense)
             for i, (layer, state) in enumerate(zip(layers, states)):
                 state.targets = torch.zeros(layer.keys.shape[0], dtype=torch.long)
-                state.scaling = scaling
+                state.scaling, state.extra = scaling, extra
 
                 def run(kv, rows, i=i, state=state):
                     n = kv.slots
@@ -291,15 +293,8 @@ class Session:
         what a full window would hold against what is held, so every chunk of a chunked prefill gets it."""
         if method.sliding is None:
             return 0
-        sliding = [layer for layer in self.cache.layers if getattr(layer, "is_sliding", False)]
-        if not sliding:
-            raise ValueError(f"{method.name}: sliding={method.sliding} shortens sliding-window layers, and this model "
-                             "has none")
+        sliding = self._check_sliding(method, self.seen.tolist())
         seen = int(self.seen[0])
-        if not bool((self.seen == seen).all()):
-            raise ValueError(f"{method.name}: sliding={method.sliding} moves one count of slots from the sliding "
-                             "layers to the compressed ones, so it needs rows of one length (one row, or rows of "
-                             "one length)")
         freed = 0
         for layer in sliding:
             share = method.sliding
@@ -308,6 +303,18 @@ class Session:
             full = min(layer.window - 1, seen)
             freed += (full - min(layer.held, full)) * layer.keys.shape[1]
         return freed // sum(layer.keys.shape[1] for layer in layers)
+
+    def _check_sliding(self, method, lengths: list[int]) -> list:
+        """The sliding layers `method.sliding` trims, or a ValueError naming why it cannot apply."""
+        sliding = [layer for layer in self.cache.layers if getattr(layer, "is_sliding", False)]
+        if not sliding:
+            raise ValueError(f"{method.name}: sliding={method.sliding} shortens sliding-window layers, and this model "
+                             "has none")
+        if len(set(lengths)) > 1:
+            raise ValueError(f"{method.name}: sliding={method.sliding} moves one count of slots from the sliding "
+                             "layers to the compressed ones, so it needs rows of one length (one row, or rows of "
+                             "one length)")
+        return sliding
 
     @staticmethod
     def _allocate_globally(method, layers, states, context, target, window, running, dense) -> None:

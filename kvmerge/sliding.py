@@ -45,7 +45,9 @@ class SlidingLayer(MergedLayer):
         if self.positions is not None:
             self._drop_unheld()
         freed = before - (self.positions.shape[1] if self.positions is not None else 0)
-        if freed:  # own buffers, so the dropped slots' memory is released, not kept under a view
+        if self._keys is not None and self._keys.untyped_storage().nbytes() > self._keys.nbytes:
+            # own buffers, so dropped slots' memory is released, not kept under a view (a chunked
+            # prefill's later chunks leave one too: each chunk's compression calls this again)
             self._keys, self._values = self._keys.clone(), self._values.clone()
             self._log_n = None if self._log_n is None else self._log_n.clone()
         return freed

@@ -192,3 +192,36 @@ def test_chunked_sliding_moves_the_same_slots_in_the_same_bytes():
     plain, held = run(), run(sliding=3)
     assert held.stats["cache_entries"] == [3, 34, 3, 34]  # as one-shot: 4 more per compressed KV head
     assert held.stats["cache_bytes"] == plain.stats["cache_bytes"]
+
+
+def test_chunked_sliding_releases_the_dropped_slots_memory():
+    model, ids = gemma3(), random_ids(120, seed=3)
+    s = kvmerge.Session(model, 1, kvmerge.get_method("snapkv", budget=0.25, window=4, sliding=3))
+    with torch.no_grad():
+        s.prefill([ids], chunk=40)
+    for layer in s.cache.layers[::2]:  # no view over a longer buffer is left
+        assert layer.entries == 3 and layer._keys.untyped_storage().nbytes() == layer._keys.nbytes
+
+
+def test_a_merging_method_moves_the_same_entries_and_pays_their_log_mass():
+    model, ctx = gemma3(), random_ids(120, seed=2)
+    run = lambda **kw: kvmerge.generate_ids(model, ctx, [5, 6], kvmerge.get_method(  # noqa: E731
+        "evictmerge", budget=0.25, window=4, **kw), max_new_tokens=1)
+    plain, held = run(), run(sliding=3)
+    assert held.stats["cache_entries"] == [3, 34, 3, 34]
+    # the same keys and values bytes; each of the 16 moved entries carries a float32 log-mass
+    assert held.stats["cache_bytes"] - plain.stats["cache_bytes"] == 16 * 4
+
+
+def test_a_decode_policy_that_recomputes_its_target_keeps_the_share():
+    model, ctx = gemma3(), random_ids(120, seed=5)
+
+    def global_entries(**kw):  # after 12 decoding steps, re-clustered every 2 to budget x tokens seen
+        s = kvmerge.Session(model, 1, kvmerge.get_method("centroidkv", budget=0.25, window=4,
+                                                         decode_budget="fraction", interval=2, **kw))
+        with torch.no_grad():
+            s.prefill([ctx])
+            for t in range(12):
+                s.forward([[5 + t]])
+        return [layer.entries for layer in s.cache.layers[1::2]]
+    assert [h - p for h, p in zip(global_entries(sliding=3), global_entries())] == [4, 4]

@@ -17,13 +17,15 @@ from ..ops.scores import top_slots, top_slots_per_head
 class LayerState:
     """What the runtime keeps for one layer during one request, beside the cache: the captured
     post-RoPE queries `(batch, heads, n, head_dim)`, each row's compression target `(batch,)`, the
-    tokens seen when it was compressed, the model's attention scaling, and `scratch`, a decode
-    policy's own state (e.g. H2O's accumulated scores)."""
+    tokens seen when it was compressed, the model's attention scaling, `extra`, the entries the
+    sliding share adds to every target (a decode policy that recomputes a target adds them too), and
+    `scratch`, a decode policy's own state (e.g. H2O's accumulated scores)."""
 
     queries: torch.Tensor | None = None
     targets: torch.Tensor | None = None
     compressed_at: int = 0
     scaling: float = 1.0
+    extra: int = 0
     scratch: dict = field(default_factory=dict)
 
 
@@ -63,7 +65,8 @@ class Method:
     inside the budget. `sliding` (models with sliding-window layers): from the compression on, each
     sliding layer holds only its last `sliding` slots (an int; a float in (0, 1] is that fraction of its
     window − 1) instead of its window − 1, and the slots this frees go to the compressed layers' budget,
-    spread evenly over their KV heads, so the cache's bytes do not grow; None keeps sliding layers as
+    spread evenly over their KV heads, so the keys' and values' bytes do not grow (a merging method's
+    log-mass, 4 bytes an entry, covers the moved entries too); None keeps sliding layers as
     transformers does. The runtime calls `setup` once per request, captures the last `query_window`
     prompt queries (-1: all) and computes surprisal if `needs_surprisal`, calls `plan` once with every
     layer, `compress` per layer, and `on_decode` after each decoding step's attention per layer.

@@ -75,7 +75,7 @@ class CentroidKV(Method):
             if self.decode_budget == "fixed":
                 target = int(state.targets[rows].min())
             else:
-                target = self.target(int(kv.log_n.exp().sum(-1).round().max()))
+                target = self.target(int(kv.log_n.exp().sum(-1).round().max())) + state.extra
             return self.reduce(kv, target, self.sinks, self.window) if kv.slots > target else kv
 
         layer.map_rows(run)
