@@ -21,6 +21,7 @@ from .methods import LayerContext, LayerState, Method
 from .methods.full import Full
 from .model import attention_scaling, check_supported, token_surprisal
 from .ops.scores import global_counts
+from .sliding import hold_sliding, sliding_layers
 
 
 class Session:
@@ -124,7 +125,7 @@ class Session:
         if chunk is not None:
             self._check_chunk(chunk, window)
         if method is not None and method.sliding is not None:  # refused before any forward, not after
-            self._check_sliding(method, [int(s) + len(r) for s, r in zip(self.seen, rows)])
+            sliding_layers(self.cache.layers, method, [int(s) + len(r) for s, r in zip(self.seen, rows)])
         if chunk is None or chunk >= width:
             t0 = time.perf_counter()
             logits, surprisal, t1 = self.feed_prompt(rows, 0 if method is None else method.query_window,
@@ -231,7 +232,7 @@ class Session:
         first = layers[0]
         n = first.entries
         dense = first.log_n is None  # no padding: every row has the same tokens
-        extra = self._hold_sliding(method, layers)
+        extra = 0 if method.sliding is None else hold_sliding(self.cache.layers, layers, method, self.seen.tolist())
         def target_of(n, seen):
             return min((method.running_target(seen, window) if running else method.target(n, window)) + extra, n)
         target = target_of(n, int(self.seen.max()))
@@ -286,35 +287,6 @@ class Session:
         self.captured.zero_()
         self.memo = {}
         self.plain = torch.where(compressed, self.plain.clamp(max=window), self.plain)  # the window stays plain
-
-    def _hold_sliding(self, method, layers) -> int:
-        """Apply `method.sliding`: every sliding layer holds its last `sliding` slots from now on; returns
-        the entries this frees per KV head of the compressed `layers` (0 without `sliding`). The count is
-        what a full window would hold against what is held, so every chunk of a chunked prefill gets it."""
-        if method.sliding is None:
-            return 0
-        sliding = self._check_sliding(method, self.seen.tolist())
-        seen = int(self.seen[0])
-        freed = 0
-        for layer in sliding:
-            share = method.sliding
-            slots = share if isinstance(share, int) else max(1, round(share * (layer.window - 1)))
-            layer.hold(slots)
-            full = min(layer.window - 1, seen)
-            freed += (full - min(layer.held, full)) * layer.keys.shape[1]
-        return freed // sum(layer.keys.shape[1] for layer in layers)
-
-    def _check_sliding(self, method, lengths: list[int]) -> list:
-        """The sliding layers `method.sliding` trims, or a ValueError naming why it cannot apply."""
-        sliding = [layer for layer in self.cache.layers if getattr(layer, "is_sliding", False)]
-        if not sliding:
-            raise ValueError(f"{method.name}: sliding={method.sliding} shortens sliding-window layers, and this model "
-                             "has none")
-        if len(set(lengths)) > 1:
-            raise ValueError(f"{method.name}: sliding={method.sliding} moves one count of slots from the sliding "
-                             "layers to the compressed ones, so it needs rows of one length (one row, or rows of "
-                             "one length)")
-        return sliding
 
     @staticmethod
     def _allocate_globally(method, layers, states, context, target, window, running, dense) -> None:

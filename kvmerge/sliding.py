@@ -96,3 +96,30 @@ def layer_windows(config) -> list[int | None]:
             raise ValueError(f"layers of type {kind!r} are not supported (kvmerge handles full and sliding attention)")
         windows.append(kw.get("sliding_window") if kind == "sliding_attention" else None)
     return windows
+
+def sliding_layers(layers: list, method, lengths: list[int]) -> list[SlidingLayer]:
+    """The sliding layers among `layers` that `method.sliding` trims for rows of these `lengths`, or a
+    ValueError naming why it cannot apply."""
+    sliding = [layer for layer in layers if getattr(layer, "is_sliding", False)]
+    if not sliding:
+        raise ValueError(f"{method.name}: sliding={method.sliding} shortens sliding-window layers, and this model "
+                         "has none")
+    if len(set(lengths)) > 1:
+        raise ValueError(f"{method.name}: sliding={method.sliding} moves one count of slots from the sliding "
+                         "layers to the compressed ones, so it needs rows of one length (one row, or rows of "
+                         "one length)")
+    return sliding
+
+
+def hold_sliding(layers: list, compressed: list, method, seen: list[int]) -> int:
+    """Apply `method.sliding` to the sliding layers among `layers` (rows that have seen `seen` tokens):
+    each holds its last `sliding` slots from now on. Returns the entries this frees per KV head of the
+    `compressed` layers: what a full window would hold against what is held, so that every chunk of a
+    chunked prefill gets the same count."""
+    freed = 0
+    for layer in sliding_layers(layers, method, seen):
+        share = method.sliding
+        layer.hold(share if isinstance(share, int) else max(1, round(share * (layer.window - 1))))
+        full = min(layer.window - 1, seen[0])
+        freed += (full - min(layer.held, full)) * layer.keys.shape[1]
+    return freed // sum(layer.keys.shape[1] for layer in compressed)
