@@ -97,6 +97,7 @@ def layer_windows(config) -> list[int | None]:
         windows.append(kw.get("sliding_window") if kind == "sliding_attention" else None)
     return windows
 
+
 def sliding_layers(layers: list, method, lengths: list[int]) -> list[SlidingLayer]:
     """The sliding layers among `layers` that `method.sliding` trims for rows of these `lengths`, or a
     ValueError naming why it cannot apply."""
@@ -116,9 +117,8 @@ def hold_sliding(layers: list, compressed: list, method, seen: list[int]) -> int
     each holds its last `sliding` slots from now on. Returns the entries this frees per KV head of the
     `compressed` layers: what a full window would hold against what is held, so that every chunk of a
     chunked prefill gets the same count."""
-    freed = 0
+    freed, share = 0, method.sliding
     for layer in sliding_layers(layers, method, seen):
-        share = method.sliding
         layer.hold(share if isinstance(share, int) else max(1, round(share * (layer.window - 1))))
         full = min(layer.window - 1, seen[0])
         freed += (full - min(layer.held, full)) * layer.keys.shape[1]

@@ -120,9 +120,14 @@ def test_a_held_sliding_layer_keeps_its_last_slots_between_steps():
 def _held_sliding_mask(n, split, held, steps):
     """Stock transformers masks (bool, True = attend) for `sliding=held`: prefill `split` tokens, feed
     the rest in one step, then `steps` tokens one by one."""
+    p = torch.arange(n)[:, None]
+    return _masks(n, torch.where(p < split, 0, torch.where(p < n - steps, split - held, p - held)))
+
+
+def _masks(n, first):
+    """Causal masks per layer type; a sliding query at p sees keys within the window and from `first[p]` on."""
     p, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
     causal = j <= p
-    first = torch.where(p < split, 0, torch.where(p < n - steps, split - held, p - held))  # oldest slot held
     return {"full_attention": causal[None, None], "sliding_attention": (causal & (p - j < WINDOW) & (j >= first))[None, None]}
 
 
@@ -169,10 +174,7 @@ def test_sliding_is_refused_where_it_cannot_apply():
 def _chunked_held_mask(n, chunk, held):
     """Stock transformers masks for `sliding=held` under a prefill in chunks of `chunk`: from the first
     compression on, a chunk's queries see only the `held` slots before it (and their own chunk)."""
-    p, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    causal = j <= p
-    first = (p // chunk) * chunk - held
-    return {"full_attention": causal[None, None], "sliding_attention": (causal & (p - j < WINDOW) & (j >= first))[None, None]}
+    return _masks(n, (torch.arange(n)[:, None] // chunk) * chunk - held)
 
 
 def test_chunked_prefill_holds_the_sliding_layers_between_chunks():
