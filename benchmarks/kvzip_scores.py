@@ -44,7 +44,7 @@ def main():
         with torch.inference_mode():
             session.feed_prompt([ctx])
             layers = list(session.cache.compressible)
-            method.before_compress(session, [ctx], layers)
+            method.prepare_all(session.runtime, [ctx], layers)
         kept, heads, saturated = 0, 0, 0
         for i in layers:
             scores = session.states[i].scratch["_kvzip_fresh"][0].float()  # (h, n)

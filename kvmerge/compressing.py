@@ -68,8 +68,8 @@ class Compressor:
             self._sessions[id(session.cache)] = session
             self._fed.add(id(session.cache))
             self._stack = ExitStack()
-            hidden = self._stack.enter_context(session.observing(capture=self.method.query_window,
-                                                                 hidden=self.method.needs_surprisal))
+            needs = self.method.needs
+            hidden = self._stack.enter_context(session.observing(capture=needs.queries, hidden=needs.surprisal))
             self._pending = (session, ids, hidden)
             cache = session.cache
         kwargs["cache"] = cache
@@ -86,7 +86,7 @@ class Compressor:
             session.plain += ids.shape[1]
             session.captured += ids.shape[1]
             surprisal = None
-            if self.method.needs_surprisal:
+            if self.method.needs.surprisal:
                 surprisal = session.surprisal_of(hidden[0], ids.cpu(), torch.zeros(ids.shape, dtype=torch.bool))
             session.method.target(ids.shape[1])  # a clear error if the prompt cannot meet the budget
             session.compress(ids.tolist(), surprisal=surprisal)

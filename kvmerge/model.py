@@ -66,11 +66,15 @@ def rotary_cos_sin(model):
     """The model's own RoPE as a function: positions `(n,)` → (cos, sin), each `(n, head_dim)` float32, of
     its full-attention layers (Gemma 3 keeps one rotary per layer type). Reads only the decoder's rotary
     embedding and the device of a parameter."""
+    return rotary_function(model.get_decoder().rotary_emb, next(model.parameters()).device)
+
+
+def rotary_function(rotary, device):
+    """A transformers rotary embedding module as a function positions `(n,)` → (cos, sin) `(n, head_dim)`
+    float32 (`rotary_cos_sin`), the full-attention layers' where the module keeps one per layer type."""
     import inspect
 
-    rotary = model.get_decoder().rotary_emb
     typed = "layer_type" in inspect.signature(rotary.forward).parameters
-    device = next(model.parameters()).device
 
     def cos_sin(positions: torch.Tensor):
         ids = positions[None].to(device)

@@ -19,8 +19,9 @@ from .attention import kvmerge_attention
 from .cache import MergedCache
 from .methods import LayerContext, LayerState, Method
 from .methods.full import Full
-from .model import attention_scaling, check_supported, token_surprisal
-from .ops.scores import global_counts
+from .model import check_supported, token_surprisal
+from .planner import Allocation, is_global, plan_layer, target_rule
+from .runtime import SessionRuntime
 from .sliding import hold_sliding, sliding_layers
 
 
@@ -41,8 +42,10 @@ class Session:
         self._decoding = False
         self._probe = None  # during `probe`: its listener
         self.memo: dict = {}  # what methods computed from the cache as it is now (a new dict once it changes)
+        self.runtime = SessionRuntime(self, tokenizer)  # all a method sees of this session
+        self._decode_policy = False
         if method is not None:
-            method.setup(model, tokenizer)
+            self.use(method, tokenizer)
 
     @property
     def device(self):
@@ -107,8 +110,7 @@ class Session:
         elif self._capture and layer_idx in self._compressible:
             q = query if state.queries is None else torch.cat([state.queries, query], dim=2)
             state.queries = q if self._capture < 0 else q[:, :, -self._capture:]
-        elif (self._decoding and query.shape[2] == 1 and state.targets is not None
-              and self.method is not None and self.method.has_decode_policy):
+        elif self._decoding and query.shape[2] == 1 and state.targets is not None and self._decode_policy:
             self.method.on_decode(self.cache.layers[layer_idx], query, state)
 
     # -- prefill and compression ------------------------------------------------------------
@@ -128,21 +130,21 @@ class Session:
             sliding_layers(self.cache.layers, method, [int(s) + len(r) for s, r in zip(self.seen, rows)])
         if chunk is None or chunk >= width:
             t0 = time.perf_counter()
-            logits, surprisal, t1 = self.feed_prompt(rows, 0 if method is None else method.query_window,
-                                                     method is not None and method.needs_surprisal)
+            logits, surprisal, t1 = self.feed_prompt(rows, 0 if method is None else method.needs.queries,
+                                                     method is not None and method.needs.surprisal)
             if method is not None:
                 self.compress(rows, window, surprisal)
             self.timings = {"prefill_seconds": t1 - t0, "compress_seconds": time.perf_counter() - t1}
             return logits
         self.timings = {"prefill_seconds": 0.0, "compress_seconds": 0.0}
         last = None
-        wants_surprisal = method is not None and method.needs_surprisal
+        wants_surprisal = method is not None and method.needs.surprisal
         history = [torch.zeros(0) for _ in rows]  # each row's surprisal so far (chunked: per chunk's logits)
         for start in range(0, width, chunk):  # each row's own chunks, as if it were alone
             part = [r[start:start + chunk] for r in rows]
             self.reserve(chunk)  # room for exactly this chunk: capacity follows budget + chunk
             t0 = time.perf_counter()
-            logits, surprisal, t1 = self.feed_prompt(part, 0 if method is None else method.query_window,
+            logits, surprisal, t1 = self.feed_prompt(part, 0 if method is None else method.needs.queries,
                                                      wants_surprisal)
             if surprisal is not None:
                 history = [torch.cat([h, _continued(s[s.shape[0] - len(p):], p, prev)]) for h, s, p, prev
@@ -203,7 +205,9 @@ class Session:
         """Switch the session to `method` (after `feed_prompt` with every query captured, one prefill
         can be compressed by several methods in turn: snapshot, compress, restore)."""
         self.method = method
-        method.setup(self.model, tokenizer)
+        self.runtime.tokenizer = tokenizer
+        self._decode_policy = method.needs.decode_policy
+        method.setup_all(self.runtime)
 
     def surprisal_of(self, hidden, ids, pad):
         surprisal = token_surprisal(self.model, hidden, ids)
@@ -219,67 +223,58 @@ class Session:
         and methods see the ids of the plain tokens not yet compressed only (`ctx.token_ids`)."""
         method = self.method
         window = method.window if window is None else window
-        scaling = attention_scaling(self.model.config)
         picked = self.cache.compressible
         if not picked and isinstance(method, Full):
             return
         if not picked:
             raise ValueError("this model has sliding-window layers only: its cache is already bounded by the "
                              "window and has no full-attention layer to compress (use the full method)")
-        method.before_compress(self, token_rows, picked)
+        method.prepare_all(self.runtime, token_rows, picked)
         layers, states = [self.cache.layers[i] for i in picked], [self.states[i] for i in picked]
-        compressed = torch.zeros(len(self.seen), dtype=torch.bool)
-        first = layers[0]
-        n = first.entries
-        dense = first.log_n is None  # no padding: every row has the same tokens
+        dense = layers[0].log_n is None  # no padding: every row has the same tokens
         extra = 0 if method.sliding is None else hold_sliding(self.cache.layers, layers, method, self.seen.tolist())
-        def target_of(n, seen):
-            return min((method.running_target(seen, window) if running else method.target(n, window)) + extra, n)
-        target = target_of(n, int(self.seen.max()))
+        n, rows = layers[0].entries, torch.arange(layers[0].keys.shape[0])
+        target = target_rule(method, n, int(self.seen.max()), window, running, extra)
         method.plan(layers, states, LayerContext(
-            layer_idx=-1, num_layers=len(layers), target=target, sinks=method.sinks,
-            window=window, scaling=scaling, rows=torch.arange(first.keys.shape[0]),
+            layer_idx=-1, num_layers=len(layers), target=target, sinks=method.sinks, window=window,
+            scaling=self.runtime.scaling, rows=rows,
             surprisal=None if surprisal is None or not dense else surprisal[:, -n:]))
-        def context(i, kv, rows, state):
-            n = kv.slots
-            queries = None
-            if state.queries is not None:
-                keep = min(int(self.captured[rows].min()), state.queries.shape[2])
-                keep = keep if method.query_window < 0 else min(keep, method.query_window)
-                queries = state.queries[rows][:, :, state.queries.shape[2] - keep:]
+
+        def context(i, kv, rows, state, alloc=None):
             seen = int(self.seen[rows].max())
-            target = target_of(n, seen)
-            fresh = min(n, int(self.plain[rows].min()))
-            return LayerContext(
-                layer_idx=i, num_layers=len(layers), target=target, sinks=method.sinks,
-                window=window, scaling=scaling, queries=queries, rows=rows, state=state, values=kv.values, seen=seen,
-                token_ids=None if token_rows is None else torch.tensor(
-                    [token_rows[int(b)][len(token_rows[int(b)]) - fresh:] for b in rows], device=kv.keys.device),
-                surprisal=None if surprisal is None else surprisal[rows][:, -fresh:].to(kv.keys.device))
+            return plan_layer(method, i, len(layers), kv, rows, target=target_rule(method, kv.slots, seen, window,
+                                                                                   running, extra),
+                              window=window, scaling=self.runtime.scaling, seen=seen,
+                              fresh=min(kv.slots, int(self.plain[rows].min())), queries=state.queries,
+                              captured=int(self.captured[rows].min()), token_rows=token_rows, surprisal=surprisal,
+                              state=state, alloc=alloc)
 
-        try:
-            if getattr(method, "alloc", "uniform") != "uniform":
-                self._allocate_globally(method, layers, states, context, target, window, running, dense)
-            for i, (layer, state) in enumerate(zip(layers, states)):
-                state.targets = torch.zeros(layer.keys.shape[0], dtype=torch.long)
-                state.scaling, state.extra = scaling, extra
+        allocation = None
+        if is_global(method):
+            if running or not dense or method.needs.decode_policy:
+                raise ValueError(f"{method.name}: alloc={method.alloc!r} spreads one budget over every layer at once, "
+                                 "so it needs a one-shot compression (no prefill_chunk) of rows without padding (one "
+                                 "row, or rows of one length) and a method without a decode policy")
+            allocation = Allocation.of(method, [(kv, context(i, kv, rows, state)) for i, (kv, state) in
+                                                enumerate((layer.kv(), state) for layer, state in zip(layers, states))],
+                                       target, window)
+        compressed = torch.zeros(len(self.seen), dtype=torch.bool)
+        for i, (layer, state) in enumerate(zip(layers, states)):
+            state.targets = torch.zeros(layer.keys.shape[0], dtype=torch.long)
+            state.scaling, state.extra = self.runtime.scaling, extra
+            alloc = None if allocation is None else allocation.layer(i)
 
-                def run(kv, rows, i=i, state=state):
-                    n = kv.slots
-                    ctx = context(i, kv, rows, state)
-                    counts = state.scratch.get("_alloc_counts")
-                    keep = method.layer_target(ctx) if counts is None else int(counts.max())
-                    state.targets[rows] = keep
-                    smaller = keep < n if counts is None else bool((counts < n).any())
-                    compressed[rows] |= smaller
-                    return method.compress(*kv, ctx) if smaller and n else kv
+            def run(kv, rows, i=i, state=state, alloc=alloc):
+                ctx = context(i, kv, rows, state, alloc)
+                keep = method.layer_target(ctx) if alloc is None else int(alloc[1].max())
+                state.targets[rows] = keep
+                smaller = keep < kv.slots if alloc is None else bool((alloc[1] < kv.slots).any())
+                compressed[rows] |= smaller
+                return method.compress(*kv, ctx) if smaller and kv.slots else kv
 
-                layer.map_rows(run)
-                state.compressed_at = layer.seen
-        finally:  # global allocation's per-layer counts and scores never outlive this call
-            for state in states:
-                state.scratch.pop("_alloc_counts", None), state.scratch.pop("_alloc_scores", None)
-        if not method.has_decode_policy:  # heads left at different lengths are stored at their own
+            layer.map_rows(run)
+            state.compressed_at = layer.seen
+        if not method.needs.decode_policy:  # heads left at different lengths are stored at their own
             for layer in layers:
                 layer.compact()
         for state in self.states:
@@ -287,31 +282,6 @@ class Session:
         self.captured.zero_()
         self.memo = {}
         self.plain = torch.where(compressed, self.plain.clamp(max=window), self.plain)  # the window stays plain
-
-    @staticmethod
-    def _allocate_globally(method, layers, states, context, target, window, running, dense) -> None:
-        """Score every layer, then spread the budget over layers (and heads) by those scores
-        (`ScoringMethod.alloc`): each layer's counts `(b, h)` and scores go to its state's scratch."""
-        from .methods import ScoringMethod
-
-        merges = getattr(type(method), "alloc_aware", False)  # evictmerge: its base's selection, then merges
-        selects = type(method).compress is ScoringMethod.compress or merges
-        if not selects or type(method.base if merges else method).layer_target is not Method.layer_target:
-            raise ValueError(f"{method.name}: alloc={method.alloc!r} applies to methods that keep their highest-scored "
-                             "entries (and evictmerge, which merges the rest into them); this one compresses "
-                             "otherwise, or sets its own per-layer budgets")
-        if running or not dense or method.has_decode_policy:
-            raise ValueError(f"{method.name}: alloc={method.alloc!r} spreads one budget over every layer at once, "
-                             "so it needs a one-shot compression (no prefill_chunk) of rows without padding (one "
-                             "row, or rows of one length) and a method without a decode policy")
-        scores = []
-        for i, (layer, state) in enumerate(zip(layers, states)):
-            kv = layer.kv()
-            state.scratch["_alloc_scores"] = method.scores(kv.keys, kv.log_n, context(i, kv, torch.arange(kv.keys.shape[0]), state))
-            scores.append(state.scratch["_alloc_scores"])
-        for state, counts in zip(states, global_counts(scores, target, method.sinks, window, method.alloc,
-                                                                     method.floor)):
-            state.scratch["_alloc_counts"] = counts
 
     # -- batch and state ----------------------------------------------------------------------
     def snapshot(self):

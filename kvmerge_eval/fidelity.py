@@ -42,7 +42,7 @@ def teacher_forced(session, first: torch.Tensor, continuation: list[int]) -> tor
     context, `first` being the context's last-token logits. With a decode policy the continuation is
     fed one token at a time."""
     rest = continuation[:-1]
-    if session.method is not None and session.method.has_decode_policy:
+    if session.method is not None and session.method.needs.decode_policy:
         steps = [session.forward([[t]]) for t in rest]
     else:
         steps = [session.forward([rest], all_logits=True)[0]] if rest else []

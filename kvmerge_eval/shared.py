@@ -29,8 +29,8 @@ def compressed_once(model, tok, rows: list[list[int]], configs: list[tuple[str, 
         return
     session = Session(model, len(rows))
     t0 = time.perf_counter()
-    wants_surprisal = any(m.needs_surprisal for *_, m in methods)
-    capture = -1 if any(m.query_window for *_, m in methods) else 0
+    wants_surprisal = any(m.needs.surprisal for *_, m in methods)
+    capture = -1 if any(m.needs.queries for *_, m in methods) else 0
     logits, surprisal, t1 = session.feed_prompt(rows, capture, wants_surprisal)
     surprisal_seconds = time.perf_counter() - t1
     prefilled = session.snapshot()
@@ -38,7 +38,7 @@ def compressed_once(model, tok, rows: list[list[int]], configs: list[tuple[str, 
         session.restore(prefilled)
         session.use(method, tok)
         t2 = time.perf_counter()
-        session.compress(rows, max(method.window, min_window), surprisal if method.needs_surprisal else None)
-        extra = surprisal_seconds if method.needs_surprisal else 0.0
+        session.compress(rows, max(method.window, min_window), surprisal if method.needs.surprisal else None)
+        extra = surprisal_seconds if method.needs.surprisal else 0.0
         session.timings = {"prefill_seconds": t1 - t0, "compress_seconds": time.perf_counter() - t2 + extra}
         yield spec, budget, session, logits

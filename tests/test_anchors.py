@@ -122,7 +122,7 @@ def _kvzip_session(model, ctx, chunk, plus=False):
     s.probe = lambda rows, listener: (fed.append(rows[0]), probe(rows, listener))
     with torch.no_grad():
         s.feed_prompt([ctx])
-        m.before_compress(s, [ctx], s.cache.compressible)
+        m.prepare_all(s.runtime, [ctx], s.cache.compressible)
     return m, s, fed
 
 
@@ -279,11 +279,8 @@ def test_merges_calibrated_by_the_base_conserve_its_scores_mass_and_weighted_val
                            alloc=alloc, absorb=absorb)
     ctx = LayerContext(0, 1, target=16, sinks=4, window=4, scaling=d ** -0.5, values=values, seen=s)
     if alloc == "head":
-        from kvmerge.methods.base import LayerState
-        ctx.state = LayerState()
-        ctx.state.scratch["_alloc_scores"] = w
-        ctx.state.scratch["_alloc_counts"] = global_counts([w], 16, 4, 4, "head")[0]
-        idx, empty = top_slots_per_head(w, ctx.state.scratch["_alloc_counts"], 4, 4)
+        ctx.alloc = (w, global_counts([w], 16, 4, 4, "head")[0])
+        idx, empty = top_slots_per_head(*ctx.alloc, 4, 4)
     else:
         idx, empty = top_slots(w, 16, 4, 4), torch.zeros(b, h, 16, dtype=torch.bool)
     k, v, ln = m.compress(keys, values, torch.zeros(b, h, s), ctx)
@@ -316,7 +313,7 @@ def test_heads_whose_base_scores_saturate_evict_and_the_others_merge_as_before(a
     sinks and window score high but not its free entries, one with a few free entries above one half."""
     from dataclasses import dataclass
 
-    from kvmerge.methods.base import LayerState, ScoringMethod
+    from kvmerge.methods.base import ScoringMethod
     from kvmerge.ops.scores import global_counts, top_slots, top_slots_per_head
 
     g = torch.Generator().manual_seed(7)
@@ -339,9 +336,7 @@ def test_heads_whose_base_scores_saturate_evict_and_the_others_merge_as_before(a
                                calibrate_with="base", alloc=alloc, **kw)
         ctx = LayerContext(0, 1, target=16, sinks=4, window=4, scaling=d ** -0.5, values=values, seen=s)
         if alloc == "head":
-            ctx.state = LayerState()
-            ctx.state.scratch["_alloc_scores"] = w
-            ctx.state.scratch["_alloc_counts"] = global_counts([w], 16, 4, 4, "head")[0]
+            ctx.alloc = (w, global_counts([w], 16, 4, 4, "head")[0])
         return m.compress(keys, values, torch.zeros(b, h, s), ctx)
 
     if alloc == "head":
@@ -391,7 +386,7 @@ def test_expectmerge_is_surprisemerge_on_mixed_attention_with_expected_calibrati
     named = kvmerge.get_method("expectmerge", budget=0.25)
     a, b = (kvmerge.generate_ids(model, ctx, q, m, max_new_tokens=8, tokenizer=tok) for m in (spec, named))
     assert a.tokens == b.tokens and a.stats["cache_entries"] == b.stats["cache_entries"]
-    assert named._expected is named.base and named.query_window == -1
+    assert named._expected is named.base and named.needs.queries == -1
 
 
 def test_mixed_attention_is_the_mean_of_expected_and_normalised_observed_attention():

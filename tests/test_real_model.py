@@ -79,13 +79,13 @@ def test_echo_ranks_entries_as_kvzips_reconstruction_does(smol):
     with torch.inference_mode():
         session.forward([ids], capture=-1)
         layers = list(session.cache.compressible)
-        kvzip.before_compress(session, [ids], layers)
+        kvzip.prepare_all(session.runtime, [ids], layers)
         truth = torch.stack([session.memo[next(iter(session.memo))][i][0] for i in layers])  # (L, h, n)
         guesses = {}
         for name in ("echo", "snapkv"):
             method = kvmerge.get_method(name)
-            method.setup(model, tok)
-            method.before_compress(session, [ids], layers)
+            method.setup_all(session.runtime)
+            method.prepare_all(session.runtime, [ids], layers)
             guesses[name] = torch.stack([method.scores(session.cache.layers[i].keys, None, LayerContext(
                 layer_idx=i, num_layers=len(layers), target=256, sinks=4, window=32,
                 scaling=attention_scaling(model.config), queries=session.states[i].queries,

@@ -5,6 +5,7 @@ import functools
 import torch
 
 import kvmerge
+from kvmerge.runtime import Runtime
 import kvmerge.model as km
 from kvmerge.methods.base import LayerContext
 from kvmerge.ops.scores import sentence_mean
@@ -47,7 +48,7 @@ def _surprising_sentence_case(n=60):
 def test_surprisal_keeps_the_least_predictable_sentence_whole():
     keys, values, ctx = _surprising_sentence_case()
     m = kvmerge.get_method("surprisal", budget=17, sinks=2, window=10)
-    m.setup(None, TinyTokenizer())
+    m.setup_all(Runtime(TinyTokenizer()))
     k, v, ln = m.compress(keys, values, torch.zeros(1, 2, 60), ctx)
     assert torch.equal(k, keys[:, :, [0, 1, 20, 21, 22, 23, 24] + list(range(50, 60))])
     assert torch.equal(v, values[:, :, [0, 1, 20, 21, 22, 23, 24] + list(range(50, 60))])
@@ -57,8 +58,8 @@ def test_exact_share_stays_bit_exact_while_the_rest_absorbs_and_mass_is_conserve
     keys, values, ctx = _surprising_sentence_case()
     m = kvmerge.get_method("evictmerge", budget=17, sinks=2, window=10, base="snapkv", recent=0.0,
                            exact=5 / 17, calibrate=False)
-    m.setup(None, TinyTokenizer())
-    assert m.needs_surprisal
+    m.setup_all(Runtime(TinyTokenizer()))
+    assert m.needs.surprisal
     k, v, ln = m.compress(keys, values, torch.zeros(1, 2, 60), ctx)
     picks = [0, 1, 20, 21, 22, 23, 24]
     assert torch.equal(k[:, :, :7], keys[:, :, picks]) and torch.equal(v[:, :, :7], values[:, :, picks])
@@ -66,7 +67,7 @@ def test_exact_share_stays_bit_exact_while_the_rest_absorbs_and_mass_is_conserve
     assert torch.allclose(ln.exp().sum(-1), torch.full((1, 2), 60.0))
     merged = kvmerge.get_method("evictmerge", budget=17, sinks=2, window=10, base="surprisal", recent=0.0,
                                 calibrate=False)  # the same picks, not kept exact
-    merged.setup(None, TinyTokenizer())
+    merged.setup_all(Runtime(TinyTokenizer()))
     assert bool((merged.compress(keys, values, torch.zeros(1, 2, 60), ctx)[2][..., 2:7] > 0).any())
 
 
@@ -82,13 +83,13 @@ def test_whole_completes_the_last_sentence_of_the_exact_share_when_there_is_room
     kept = {}
     for whole in (False, True):
         m = kvmerge.get_method("evictmerge", budget=17, sinks=2, window=10, recent=0.0, exact=3 / 17, whole=whole)
-        m.setup(None, TinyTokenizer())
+        m.setup_all(Runtime(TinyTokenizer()))
         exact = m._exact_slots(keys, torch.zeros(1, 2, 60), ctx, 17, 10)
         kept[whole] = set(exact[0, 0].nonzero().squeeze(1).tolist())
     assert len(kept[False]) == 3 and kept[False] < set(range(20, 25)) and kept[True] == set(range(20, 25))
     ctx.target = 14  # room for 2 only: the sentence cannot be completed, the plain top-k stays
     m = kvmerge.get_method("evictmerge", budget=14, sinks=2, window=10, recent=0.0, exact=0.2, whole=True)
-    m.setup(None, TinyTokenizer())
+    m.setup_all(Runtime(TinyTokenizer()))
     assert int(m._exact_slots(keys, torch.zeros(1, 2, 60), ctx, 14, 10).sum(-1).max()) == 2
 
 

@@ -1,16 +1,55 @@
-"""The compression-method interface: `Method` (one `compress` entry point) and `ScoringMethod`
-(define `scores`, get selection for free), the per-layer context and the per-layer request state."""
+"""The compression-method interface: `Needs` (what a method asks of the runtime, as data), `Method`
+(one `compress` entry point) and `ScoringMethod` (define `scores`, get selection for free), the
+per-layer context and the per-layer request state."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
 
 from ..ops.kv import KV
 from ..ops.scores import top_slots, top_slots_per_head
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a method needs from the runtime that runs it, declared as data. Runtimes read it to feed
+    the method (queries captured, surprisal computed) and to derive their refusals in one place
+    (`kvmerge.capabilities`); a composite's needs are the union of its own and its parts'.
+
+    `queries`: the last prompt queries captured per layer (0 none, -1 all). `surprisal`: each prompt
+    token's −log p (the logits of every prompt position). `tokenizer`, `rotary` (the model's RoPE as
+    `cos, sin = rotary(positions)`): read in `setup`. `second_pass`: another forward over the context
+    before compressing (`prepare` uses `runtime.probe`). `all_layers`: every layer's scores before any
+    layer is compressed (`plan`, global allocation). `layer_counts` / `head_counts`: layers / KV heads
+    keep different numbers of entries. `decode_policy`: changes the cache while decoding (`on_decode`).
+    `merges`: the kept entries are not plain tokens only (merged keys or values, a log-mass). `sliding`:
+    shortens a hybrid model's sliding-window layers."""
+
+    queries: int = 0
+    surprisal: bool = False
+    tokenizer: bool = False
+    rotary: bool = False
+    second_pass: bool = False
+    all_layers: bool = False
+    layer_counts: bool = False
+    head_counts: bool = False
+    decode_policy: bool = False
+    merges: bool = False
+    sliding: bool = False
+
+    def __or__(self, other: "Needs") -> "Needs":
+        q = -1 if min(self.queries, other.queries) < 0 else max(self.queries, other.queries)
+        return Needs(queries=q, **{f.name: getattr(self, f.name) or getattr(other, f.name)
+                                   for f in fields(self) if f.name != "queries"})
+
+    def listed(self) -> list[str]:
+        """The needs that are set, as words (`kvmerge methods`)."""
+        out = [] if not self.queries else [f"queries={'all' if self.queries < 0 else self.queries}"]
+        return out + [f.name for f in fields(self) if f.name != "queries" and getattr(self, f.name)]
 
 
 @dataclass
@@ -31,14 +70,15 @@ class LayerState:
 
 @dataclass
 class LayerContext:
-    """What a method sees besides one layer's keys, values and log_n.
+    """What a method sees besides one layer's keys, values and log_n (built by `kvmerge.planner.plan_layer`).
 
     `token_ids` `(batch, fresh)` are the ids of the last `fresh` slots, plain tokens not yet compressed
     (all slots at a one-shot prefill; the new chunk and the previous window under chunked prefill),
-    `surprisal` their −log p given the prefix (when the method sets `needs_surprisal`); `queries`
+    `surprisal` their −log p given the prefix (when the method needs it); `queries`
     `(batch, heads, n, head_dim)` are the captured post-RoPE prompt queries (the last `n` tokens seen);
     `values` the layer's values (for scores weighted by them); `seen` the tokens these rows have seen;
-    `rows` which batch rows these are; `state` the layer's request state.
+    `rows` which batch rows these are; `state` the layer's request state; `alloc`: under global
+    allocation, this layer's `(scores (b, h, s), counts (b, h))`, the entries each head keeps.
     """
 
     layer_idx: int
@@ -54,6 +94,7 @@ class LayerContext:
     state: LayerState | None = None
     values: torch.Tensor | None = None
     seen: int = 0
+    alloc: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -62,14 +103,19 @@ class Method:
 
     `budget`: a float in (0, 1] is the fraction of context tokens kept per layer and KV head; an int is
     an absolute number of entries. The `sinks` first and `window` last tokens are protected and count
-    inside the budget. `sliding` (models with sliding-window layers): from the compression on, each
-    sliding layer holds only its last `sliding` slots (an int; a float in (0, 1] is that fraction of its
-    window − 1) instead of its window − 1, and the slots this frees go to the compressed layers' budget,
-    spread evenly over their KV heads, so the keys' and values' bytes do not grow (a merging method's
-    log-mass, 4 bytes an entry, covers the moved entries too); None keeps sliding layers as
-    transformers does. The runtime calls `setup` once per request, captures the last `query_window`
-    prompt queries (-1: all) and computes surprisal if `needs_surprisal`, calls `plan` once with every
-    layer, `compress` per layer, and `on_decode` after each decoding step's attention per layer.
+    inside the budget. `sliding` (models with sliding-window layers) is a policy the runtime applies,
+    not the method: from the compression on, each sliding layer holds only its last `sliding` slots
+    (an int; a float in (0, 1] is that fraction of its window − 1) instead of its window − 1, and the
+    slots this frees go to the compressed layers' budget, spread evenly over their KV heads, so the
+    keys' and values' bytes do not grow (a merging method's log-mass, 4 bytes an entry, covers the
+    moved entries too); None keeps sliding layers as transformers does.
+
+    A method declares what it needs in `requires` (a `Needs`; a class attribute, or a property when it
+    depends on the parameters) and its parts in `parts()` (a composite: `evictmerge`'s base...); the
+    runtime reads `needs`, calls `setup(runtime)` and `prepare(runtime, ...)` on the method and every
+    part (`walk`), `plan` once with every layer, `compress` per layer, and `on_decode` after each
+    decoding step's attention per layer. A method never sees the runtime's session or the model:
+    only the `kvmerge.runtime.Runtime` interface.
     """
 
     budget: float | int = 0.25
@@ -79,9 +125,8 @@ class Method:
     stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     name: ClassVar[str] = ""
-    query_window: ClassVar[int] = 0
-    needs_surprisal: ClassVar[bool] = False
-    has_decode_policy: ClassVar[bool] = False
+    summary: ClassVar[str] = ""  # one line for `kvmerge methods` (default: the docstring's first sentence)
+    requires: ClassVar[Needs] = Needs()
 
     def __post_init__(self):
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
@@ -100,6 +145,36 @@ class Method:
             raise ValueError(f"budget of {self.budget} entries is below the protected sinks + window "
                              f"({self.sinks} + {self.window})")
 
+    # -- what it needs and what it is made of ------------------------------------------------------
+    def parts(self) -> list[Method]:
+        """The methods this one uses (a composite's base and helpers); their needs and hooks are its own too."""
+        return []
+
+    def walk(self) -> list[Method]:
+        """This method and every part, depth first, each once."""
+        out, seen = [], set()
+        stack = [self]
+        while stack:
+            m = stack.pop(0)
+            if id(m) not in seen:
+                seen.add(id(m))
+                out.append(m)
+                stack[:0] = m.parts()
+        return out
+
+    def policy_needs(self) -> Needs:
+        """What the runtime policies set on this method (`sliding`, a global `alloc`) add to its needs."""
+        return Needs(sliding=self.sliding is not None)
+
+    @property
+    def needs(self) -> Needs:
+        """`requires` of this method and every part, with the policies' needs."""
+        out = self.policy_needs()
+        for m in self.walk():
+            out = out | m.requires
+        return out
+
+    # -- hooks -------------------------------------------------------------------------------------
     def target(self, n_tokens: int, window: int | None = None) -> int:
         """Entries per (row, KV head) after compressing `n_tokens`; raises if protection cannot fit."""
         window = self.window if window is None else window
@@ -120,29 +195,47 @@ class Method:
         return min(max(want, self.sinks + window, 1), n_tokens)
 
     def layer_target(self, ctx: LayerContext) -> int:
-        """Entries this layer keeps (per-layer budgets override this; the mean stays `ctx.target`)."""
+        """Entries this layer keeps (per-layer budgets override this and declare `layer_counts`; the
+        mean stays `ctx.target`)."""
         return ctx.target
 
-    def setup(self, model, tokenizer) -> None:
-        """Called once per request before prefill (e.g. to build token tables)."""
+    def setup(self, runtime) -> None:
+        """Called once per request before prefill, with the `Runtime` (its tokenizer, rotary embedding)."""
 
-    def before_compress(self, session, token_rows: list[list[int]] | None, layers: list[int]) -> None:
-        """Called by `session.compress` before anything else, with the rows' prompt ids and the indices
-        of the layers it compresses: a method that needs another pass over the prompt (KVzip's
-        reconstruction) runs it here with `session.probe` and keeps what it learns in
-        `session.states[i].scratch`."""
+    def prepare(self, runtime, token_rows: list[list[int]] | None, layers: list[int]) -> None:
+        """Called before anything is compressed, with the rows' prompt ids and the indices of the layers
+        compressed: a method that declares `second_pass` runs it here (`runtime.probe`) and keeps what it
+        learns in `runtime.scratch(i)` (layer i's request state) or `runtime.memo`."""
 
     def plan(self, layers, states: list[LayerState], ctx: LayerContext) -> None:
-        """Called once with every `MergedLayer` and its state before any layer is compressed; `ctx`
-        describes the whole batch (layer_idx -1)."""
+        """Called once with every `MergedLayer` and its state before any layer is compressed (declare
+        `all_layers`); `ctx` describes the whole batch (layer_idx -1)."""
 
     def compress(self, keys, values, log_n, ctx: LayerContext) -> KV:
         """`(b, h, s, d)`, `(b, h, s, d)`, `(b, h, s)` → a `KV` with at most `ctx.target` slots."""
         raise NotImplementedError
 
+    def selected(self, idx: torch.Tensor, ctx: LayerContext) -> None:
+        """Told the kept slots `(b, h, t)`, in order, after each selection (see `CarriedScores`)."""
+
+    def setup_all(self, runtime) -> None:
+        """`setup` on this method and every part: what a runtime calls once per request."""
+        for m in self.walk():
+            m.setup(runtime)
+
+    def prepare_all(self, runtime, token_rows: list[list[int]] | None, layers: list[int]) -> None:
+        """`prepare` on this method and every part: what a runtime calls before compressing."""
+        for m in self.walk():
+            m.prepare(runtime, token_rows, layers)
+
+    def tell_selected(self, idx: torch.Tensor, ctx: LayerContext) -> None:
+        """`selected` on this method and every part."""
+        for m in self.walk():
+            m.selected(idx, ctx)
+
     def on_decode(self, layer, query: torch.Tensor, state: LayerState) -> None:
-        """Decode-time policy, run after each one-token step's attention in every layer (when
-        `has_decode_policy`): may shrink `layer` (a `MergedLayer`) given the step's query `(b, hq, 1, d)`."""
+        """Decode-time policy, run after each one-token step's attention in every layer (when it declares
+        `decode_policy`): may shrink `layer` (a `MergedLayer`) given the step's query `(b, hq, 1, d)`."""
 
 
 ALLOCATIONS = ("uniform", "layer", "head", "fit")
@@ -170,6 +263,7 @@ class ScoringMethod(Method):
 
     alloc: str = "uniform"
     floor: float = 0.0
+    allocates: ClassVar[bool] = True  # its `compress` keeps `ctx.alloc`'s counts (False: it compresses otherwise)
 
     def __post_init__(self):
         super().__post_init__()
@@ -180,23 +274,23 @@ class ScoringMethod(Method):
                              f"'head' or 'fit': it bounds how few entries a head keeps there), got "
                              f"floor={self.floor}, alloc={self.alloc!r}")
 
+    def policy_needs(self) -> Needs:
+        spread = self.alloc != "uniform"
+        return super().policy_needs() | Needs(all_layers=spread, layer_counts=spread, head_counts=self.alloc == "head")
+
     def scores(self, keys, log_n, ctx: LayerContext) -> torch.Tensor:
         """`(b, h, s)`: higher is kept first."""
         raise NotImplementedError
 
-    def selected(self, idx: torch.Tensor, ctx: LayerContext) -> None:
-        """Told the kept slots `(b, h, t)`, in order, after each selection (see `CarriedScores`)."""
-
     def compress(self, keys, values, log_n, ctx):
-        scratch = ctx.state.scratch if ctx.state is not None else {}
-        if "_alloc_counts" in scratch:  # global allocation: the session scored every layer first
-            idx, filler = top_slots_per_head(scratch["_alloc_scores"], scratch["_alloc_counts"], ctx.sinks, ctx.window)
-            self.selected(idx, ctx)
+        if ctx.alloc is not None:  # global allocation: the planner scored every layer first
+            idx, filler = top_slots_per_head(*ctx.alloc, ctx.sinks, ctx.window)
+            self.tell_selected(idx, ctx)
             kv = KV(keys, values, log_n).take(idx)  # a filler slot is empty: zeros, log_n -inf
             return KV(kv.keys.masked_fill(filler[..., None], 0), kv.values.masked_fill(filler[..., None], 0),
                       kv.log_n.masked_fill(filler, float("-inf")))
         idx = top_slots(self.scores(keys, log_n, ctx), self.layer_target(ctx), ctx.sinks, ctx.window)
-        self.selected(idx, ctx)
+        self.tell_selected(idx, ctx)
         return KV(keys, values, log_n).take(idx)
 
 

@@ -6,7 +6,7 @@ import torch
 
 from ..ops.kv import KV, gather_slots
 from ..ops.scores import received_attention, top_slots
-from .base import Method
+from .base import Method, Needs
 from .registry import register
 
 
@@ -24,7 +24,7 @@ class CaM(Method):
     sample: bool = True
     seed: int = 0
     name = "cam"
-    query_window = -1
+    requires = Needs(queries=-1, merges=True)
 
     def compress(self, keys, values, log_n, ctx):
         scores = received_attention(ctx.queries, keys, ctx.scaling, log_n)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..ops.csm import PARTITIONS, csm_round, partition_a
 from ..ops.kv import KV
-from .base import Method
+from .base import Method, Needs
 from .registry import register
 
 DECODE_BUDGETS = ("fixed", "fraction")
@@ -36,7 +36,7 @@ class CentroidKV(Method):
     scope: str = "global"
     seed: int = 0
     name = "centroidkv"
-    has_decode_policy = True
+    requires = Needs(merges=True, decode_policy=True)
 
     def __post_init__(self):
         super().__post_init__()

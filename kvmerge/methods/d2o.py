@@ -10,7 +10,7 @@ import torch
 from ..ops.kv import KV, gather_slots
 from ..ops.merge import nearest_kept, weighted_mean
 from ..ops.scores import received_attention, top_slots
-from .base import Method, ScoringMethod
+from .base import Method, Needs, ScoringMethod
 from .h2o import H2O
 from .registry import register
 
@@ -34,24 +34,23 @@ class D2O(Method):
     name = "d2o"
 
     @property
-    def query_window(self) -> int:
-        return -1 if self.base.query_window < 0 else max(self.base.query_window, self.obs_window)
+    def requires(self) -> Needs:
+        return Needs(queries=self.obs_window, all_layers=True, layer_counts=True, merges=True)
+
+    def parts(self):
+        return [self.base]
 
     def __post_init__(self):
         super().__post_init__()
         if not (0.0 <= self.ema < 1.0) or self.max_ratio < 1.0:
             raise ValueError(f"need 0 <= ema < 1 and max_ratio >= 1, got ema={self.ema}, max_ratio={self.max_ratio}")
-        if getattr(self.base, "alloc", "uniform") != "uniform":
+        if not isinstance(self.base, ScoringMethod):
+            raise TypeError(f"d2o's base must be a scoring method (one that defines scores), got {type(self.base).__name__}")
+        if self.base.alloc != "uniform":
             raise ValueError(f"d2o uses its base's scores with its own layer budgets: the base's alloc={self.base.alloc!r} "
                              "would be ignored")
         self._scale: list[float] = []
         self._tau: float | None = None
-
-    def setup(self, model, tokenizer):
-        self.base.setup(model, tokenizer)
-
-    def before_compress(self, session, token_rows, layers):
-        self.base.before_compress(session, token_rows, layers)
 
     def plan(self, layers, states, ctx):
         density = []
@@ -74,6 +73,7 @@ class D2O(Method):
         target = min(self.layer_target(ctx), n)
         scores = self.base.scores(keys, log_n, ctx)
         idx = top_slots(scores, target, ctx.sinks, ctx.window)
+        self.tell_selected(idx, ctx)
         kept = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
         best, partner = nearest_kept(keys, idx)
         live = ~torch.isinf(log_n)  # empty slots (a head's padding) are neither merged nor averaged

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import rotary_cos_sin
 from ..ops.scores import echo_attention
-from .base import CarriedScores, ScoringMethod
+from .base import CarriedScores, Needs, ScoringMethod
 from .registry import register
 
 
@@ -28,21 +27,18 @@ class Echo(CarriedScores, ScoringMethod):
     own: int = 16
     shift: int = 0
     name = "echo"
-    query_window = -1
+    requires = Needs(queries=-1, rotary=True)
 
     def __post_init__(self):
         super().__post_init__()
         if self.own < 0 or self.shift < 0:
             raise ValueError(f"echo needs own >= 0 and shift >= 0, got own={self.own}, shift={self.shift}")
 
-    def setup(self, model, tokenizer):
-        self._cos_sin = rotary_cos_sin(model)
+    def setup(self, runtime):
+        self._cos_sin = runtime.rotary
 
-    def before_compress(self, session, token_rows, layers):
-        from ..session import Session
-
-        # a Session's memo is shared by every restore of one prefill: one pass serves every budget
-        self._memo = session.memo if isinstance(session, Session) else {}
+    def prepare(self, runtime, token_rows, layers):
+        self._memo = runtime.memo  # shared by every restore of one prefill: one pass serves every budget
 
     def scores(self, keys, log_n, ctx):
         if ctx.queries is None:

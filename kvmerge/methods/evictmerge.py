@@ -1,13 +1,12 @@
 """Merge instead of evict (kvmerge's own): any scoring eviction method turned into a merging one."""
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
 from ..ops.merge import merge_into_kept
 from ..ops.scores import fill_protected, received_attention, saturated_heads, top_slots, top_slots_per_head
-from .base import ScoringMethod
+from .base import Needs, ScoringMethod
 from .expected_attention import ExpectedAttention
 from .registry import register
 from .snapkv import SnapKV
@@ -46,8 +45,6 @@ class EvictMerge(ScoringMethod):
     such scores (a copy head's, while KVzip repeats the context) do not rank, and as weights they
     would fold unrelated entries into every pick almost as heavily as the pick itself.
     """
-    alloc_aware: ClassVar[bool] = True
-
     base: ScoringMethod = field(default_factory=SnapKV)
     min_cosine: float = -1.0
     calibrate: bool = True
@@ -79,7 +76,7 @@ class EvictMerge(ScoringMethod):
         self._expected = (self.base if isinstance(self.base, ExpectedAttention) else ExpectedAttention()) \
             if self.calibrate and self.calibrate_with == "expected" else None
         for part in ("base", "exact_by"):
-            if type(getattr(self, part)).scores is ScoringMethod.scores:
+            if not isinstance(getattr(self, part), ScoringMethod):
                 raise TypeError(f"{part} must be a scoring method (one that defines scores), "
                                 f"got {type(getattr(self, part)).__name__}")
             if getattr(getattr(self, part), "alloc", "uniform") != "uniform":
@@ -90,27 +87,14 @@ class EvictMerge(ScoringMethod):
                              f"every layer and head; a fixed recent share (recent={self.recent}) or exact share "
                              f"(exact={self.exact}) per head would bypass it: set recent=0 and exact=0")
 
-    def _parts(self):
+    def parts(self):
         parts = [self.base] + ([self.exact_by] if self.exact > 0 else [])
         return parts + ([self._expected] if self._expected is not None and self._expected is not self.base else [])
 
     @property
-    def query_window(self) -> int:
+    def requires(self) -> Needs:
         observed = self.calibrate and self.calibrate_with == "observed"
-        windows = [p.query_window for p in self._parts()] + ([self.obs_window] if observed else [])
-        return -1 if min(windows) < 0 else max(windows)
-
-    @property
-    def needs_surprisal(self) -> bool:
-        return any(p.needs_surprisal for p in self._parts())
-
-    def setup(self, model, tokenizer):
-        for part in self._parts():
-            part.setup(model, tokenizer)
-
-    def before_compress(self, session, token_rows, layers):
-        for part in self._parts():
-            part.before_compress(session, token_rows, layers)
+        return Needs(queries=self.obs_window if observed else 0, merges=True)
 
     def scores(self, keys, log_n, ctx):
         return self.base.scores(keys, log_n, ctx)
@@ -131,14 +115,13 @@ class EvictMerge(ScoringMethod):
         return torch.where(tied.sum(-1, keepdim=True) <= room, tied, exact)
 
     def compress(self, keys, values, log_n, ctx):
-        scratch = ctx.state.scratch if ctx.state is not None else {}
-        if "_alloc_counts" in scratch:  # global allocation: each head keeps its own count, padded to the widest
-            idx, empty = top_slots_per_head(scratch["_alloc_scores"], scratch["_alloc_counts"], ctx.sinks, ctx.window)
-            for part in self._parts():
-                part.selected(idx, ctx)
+        if ctx.alloc is not None:  # global allocation: each head keeps its own count, padded to the widest
+            scores = ctx.alloc[0]
+            idx, empty = top_slots_per_head(*ctx.alloc, ctx.sinks, ctx.window)
+            self.tell_selected(idx, ctx)
             protect = self._protected(idx, min(ctx.sinks, idx.shape[-1]), keys.shape[2], ctx.window)
-            return merge_into_kept(keys, values, log_n, idx, self._floor(scratch["_alloc_scores"], ctx), protect,
-                                   self._weights(keys, log_n, ctx, scratch["_alloc_scores"]), empty)
+            return merge_into_kept(keys, values, log_n, idx, self._floor(scores, ctx), protect,
+                                   self._weights(keys, log_n, ctx, scores), empty)
         target = self.layer_target(ctx)
         window = max(ctx.window, round(self.recent * target))
         attention = self._expected.probabilities(keys, log_n, ctx) if self._expected is not None else None
@@ -150,8 +133,7 @@ class EvictMerge(ScoringMethod):
             protect = exact.gather(-1, idx) | (torch.arange(idx.shape[-1], device=idx.device) < protect)
         else:
             idx = top_slots(scores, target, ctx.sinks, window)
-        for part in self._parts():
-            part.selected(idx, ctx)
+        self.tell_selected(idx, ctx)
         if self.calibrate and attention is None:
             attention = self._weights(keys, log_n, ctx, scores)
         protect = self._protected(idx, protect, keys.shape[2], window)

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import rotary_cos_sin
 from ..ops.scores import rotate_half
-from .base import ScoringMethod
+from .base import Needs, ScoringMethod
 from .registry import register
 
 
@@ -28,10 +27,10 @@ class ExpectedAttention(ScoringMethod):
     use_vnorm: bool = True
     epsilon: float = 0.0
     name = "expected_attention"
-    query_window = -1
+    requires = Needs(queries=-1, rotary=True)
 
-    def setup(self, model, tokenizer):
-        self._cos_sin = rotary_cos_sin(model)
+    def setup(self, runtime):
+        self._cos_sin = runtime.rotary
 
     def statistics(self, queries: torch.Tensor, seen: int):
         """Post-RoPE queries `(b, hq, n, d)` of positions seen − n … seen − 1 → (μ̄ `(b, hq, d)`,

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..ops.kv import KV
 from ..ops.scores import attention_probs, evict_rows, received_attention, top_slots
-from .base import ScoringMethod
+from .base import Needs, ScoringMethod
 from .registry import register
 
 
@@ -23,11 +23,11 @@ class H2O(ScoringMethod):
 
     decode: bool = False
     name = "h2o"
-    query_window = -1
+    allocates = False  # its compress keeps the prefill's scores for decoding
 
     @property
-    def has_decode_policy(self) -> bool:
-        return self.decode
+    def requires(self) -> Needs:
+        return Needs(queries=-1, decode_policy=self.decode)
 
     def scores(self, keys, log_n, ctx):
         return received_attention(ctx.queries, keys, ctx.scaling, log_n)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from ..ops.kmeans import lloyd
 from ..ops.kv import KV
 from ..ops.merge import merge_clusters
-from .base import Method
+from .base import Method, Needs
 from .registry import register
 
 
@@ -19,6 +19,7 @@ class KMeans(Method):
 
     iters: int = 5
     name = "kmeans"
+    requires = Needs(merges=True)
 
     def compress(self, keys, values, log_n, ctx):
         sinks, middle, recent = KV(keys, values, log_n).split(ctx.sinks, ctx.window)

@@ -8,9 +8,8 @@ from typing import ClassVar
 
 import torch
 
-from ..model import attention_scaling
 from ..ops.scores import reconstruction_attention
-from .base import CarriedScores, ScoringMethod
+from .base import CarriedScores, Needs, ScoringMethod
 from .registry import register
 
 
@@ -37,6 +36,7 @@ class KVzip(CarriedScores, ScoringMethod):
     postfix: int = 8
     plus: bool = False
     name = "kvzip"
+    requires = Needs(tokenizer=True, second_pass=True)
     FIRST: ClassVar[str] = "\n\nRepeat the previous context exactly."
     LATER: ClassVar[str] = "\n\nRepeat the part of the previous context exactly, starting with"
 
@@ -45,7 +45,8 @@ class KVzip(CarriedScores, ScoringMethod):
         if self.chunk < 1 or self.postfix < 0:
             raise ValueError(f"kvzip needs chunk >= 1 and postfix >= 0, got chunk={self.chunk}, postfix={self.postfix}")
 
-    def setup(self, model, tokenizer):
+    def setup(self, runtime):
+        tokenizer = runtime.tokenizer
         if tokenizer is None or not callable(tokenizer):
             raise ValueError("kvzip needs the tokenizer to write its reconstruction prompt: use kvmerge.generate, "
                              "or pass tokenizer= to generate_ids")
@@ -58,21 +59,21 @@ class KVzip(CarriedScores, ScoringMethod):
         prompt = self._first if start == 0 else self._later + context[max(start - self.postfix, 0):start]
         return prompt + self._turn_end + context[start:start + self.chunk]
 
-    def before_compress(self, session, token_rows, layers):
+    def prepare(self, runtime, token_rows, layers):
         if token_rows is None:
             raise ValueError("kvzip needs the prompt's token ids to reconstruct it")
         key = ("kvzip", self.chunk, self.postfix, self.sinks, self.plus)  # one pass serves every budget and variant
-        if key not in session.memo:
-            session.memo[key] = self._reconstruct(session, token_rows, layers)
+        if key not in runtime.memo:
+            runtime.memo[key] = self._reconstruct(runtime, token_rows, layers)
         for i in layers:
-            session.states[i].scratch["_kvzip_fresh"] = session.memo[key][i]
+            runtime.scratch(i)["_kvzip_fresh"] = runtime.memo[key][i]
 
-    def _reconstruct(self, session, token_rows, layers) -> dict:
+    def _reconstruct(self, runtime, token_rows, layers) -> dict:
         """Layer index → each row's fresh slots' scores `(h, fresh)`."""
-        fresh = [context[len(context) - min(int(p), len(context)):] for context, p in zip(token_rows, session.plain)]
-        scaling = attention_scaling(session.model.config)
+        fresh = [context[len(context) - min(int(p), len(context)):] for context, p in zip(token_rows, runtime.plain)]
+        scaling = runtime.scaling
         found = {i: [[] for _ in fresh] for i in layers}  # layer → row → chunks' scores (h, c)
-        plus = _PlusNorms(session.model, layers) if self.plus else None
+        plus = _PlusNorms(runtime, layers) if self.plus else None
 
         for start in range(0, max(len(f) for f in fresh), self.chunk):
             rows = [self.reconstruction(f, start) if start < len(f) else [] for f in fresh]
@@ -94,7 +95,7 @@ class KVzip(CarriedScores, ScoringMethod):
                         scaling, *rows_cols))
 
             with plus or nullcontext():
-                session.probe(rows, listen)
+                runtime.probe(rows, listen)
         return {i: [torch.cat(chunks, -1) if chunks else None for chunks in found[i]] for i in layers}
 
     def scores(self, keys, log_n, ctx):
@@ -107,30 +108,24 @@ class KVzip(CarriedScores, ScoringMethod):
 
 
 class _PlusNorms:
-    """KVzip+'s scales: while active, records the norm of each layer's attention input per position;
-    `scales` gives (1 / those norms for a row's last q positions `(q,)`, ‖W_O,j v‖ `(hq, k)` for
-    values `(h, k, d)`), the latter through each head's Gram matrix W_O,j W_O,jᵀ `(d, d)`."""
+    """KVzip+'s scales: while active, the runtime records the norm of each layer's attention input per
+    position; `scales` gives (1 / those norms for a row's last q positions `(q,)`, ‖W_O,j v‖ `(hq, k)`
+    for values `(h, k, d)`), the latter through each head's Gram matrix W_O,j W_O,jᵀ `(d, d)`."""
 
-    def __init__(self, model, layers):
-        self.modules = {m.layer_idx: m for m in model.modules()
-                        if getattr(m, "layer_idx", None) in layers and hasattr(m, "o_proj")}
-        self.norms, self._hooks, self._gram = {}, [], {}
+    def __init__(self, runtime, layers):
+        self.runtime, self.layers, self._gram, self._active = runtime, layers, {}, None
 
     def __enter__(self):
-        def hook(module, args, kwargs):
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            self.norms[module.layer_idx] = hidden.float().norm(dim=-1)  # (b, width)
-        self._hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in self.modules.values()]
+        self._active = self.runtime.input_norms(self.layers)
+        self.norms = self._active.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for h in self._hooks:
-            h.remove()
-        self.norms.clear()
+        self._active.__exit__(*exc)
 
     def scales(self, i: int, b: int, q: int, values: torch.Tensor):
         if i not in self._gram:
-            w = self.modules[i].o_proj.weight.float().T  # (hq·d, hidden)
+            w = self.runtime.output_weight(i).float().T  # (hq·d, hidden)
             per_head = w.reshape(-1, values.shape[-1], w.shape[1])  # (hq, d, hidden)
             self._gram[i] = per_head @ per_head.transpose(1, 2)  # (hq, d, d)
         gram = self._gram[i]

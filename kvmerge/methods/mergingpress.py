@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from ..ops.kv import KV
 from ..ops.merge import fold_values
 from ..ops.scores import top_slots
-from .base import ScoringMethod
+from .base import Needs, ScoringMethod
 from .expected_attention import ExpectedAttention
 from .registry import register
 
@@ -31,6 +31,7 @@ class MergingPress(ScoringMethod):
     similarity_threshold: float = 0.0
     merge_fraction: float = 1.0
     name = "mergingpress"
+    allocates = False  # kvpress's press: its base's selection per head, then folded values
 
     def __post_init__(self):
         super().__post_init__()
@@ -38,25 +39,16 @@ class MergingPress(ScoringMethod):
             raise ValueError(f"similarity_threshold must be in [0, 1], got {self.similarity_threshold}")
         if not 0.0 < self.merge_fraction <= 1.0:
             raise ValueError(f"merge_fraction must be in (0, 1], got {self.merge_fraction}")
-        if not isinstance(self.base, ScoringMethod) or type(self.base).scores is ScoringMethod.scores:
+        if not isinstance(self.base, ScoringMethod):
             raise TypeError(f"base must be a scoring method (one that defines scores), got {type(self.base).__name__}")
         if self.base.alloc != "uniform":
             raise ValueError(f"{self.name} uses its base's scores, not its selection: base's alloc={self.base.alloc!r} "
                              "would be ignored")
 
-    @property
-    def query_window(self) -> int:
-        return self.base.query_window
+    requires = Needs(merges=True)
 
-    @property
-    def needs_surprisal(self) -> bool:
-        return self.base.needs_surprisal
-
-    def setup(self, model, tokenizer):
-        self.base.setup(model, tokenizer)
-
-    def before_compress(self, session, token_rows, layers):
-        self.base.before_compress(session, token_rows, layers)
+    def parts(self):
+        return [self.base]
 
     def scores(self, keys, log_n, ctx):
         return self.base.scores(keys, log_n, ctx)
@@ -64,11 +56,8 @@ class MergingPress(ScoringMethod):
     def layer_target(self, ctx):
         return self.base.layer_target(ctx)
 
-    def selected(self, idx, ctx):
-        self.base.selected(idx, ctx)
-
     def compress(self, keys, values, log_n, ctx):
         idx = top_slots(self.scores(keys, log_n, ctx), self.layer_target(ctx), ctx.sinks, ctx.window)
-        self.selected(idx, ctx)
+        self.tell_selected(idx, ctx)
         kept = KV(keys, values, log_n).take(idx)
         return KV(kept.keys, fold_values(keys, values, idx, self.similarity_threshold, self.merge_fraction), kept.log_n)

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from .base import Needs
 from .registry import register
 from .snapkv import SnapKV
 
@@ -14,6 +15,10 @@ class PyramidKV(SnapKV):
 
     beta: int = 20
     name = "pyramidkv"
+
+    @property
+    def requires(self) -> Needs:
+        return super().requires | Needs(layer_counts=True)
 
     def layer_target(self, ctx):
         L, T = ctx.num_layers, ctx.target

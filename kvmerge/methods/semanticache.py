@@ -8,7 +8,7 @@ import torch
 
 from ..ops.gsc import STRONG_ANCHOR, chunk_layout, delimiter_table, greedy_seed_clustering
 from ..ops.merge import merge_clusters
-from .base import Method
+from .base import Method, Needs
 from .registry import register
 
 CHUNKINGS = ("delimiter", "fixed", "none")
@@ -44,12 +44,16 @@ class SemantiCache(Method):
             raise ValueError(f"chunk_cap must be >= 1, got {self.chunk_cap}")
         self._table = None
 
-    def setup(self, model, tokenizer):
+    @property
+    def requires(self) -> Needs:
+        return Needs(merges=True, tokenizer=self.chunking == "delimiter")
+
+    def setup(self, runtime):
         if self.chunking == "delimiter":
-            if tokenizer is None:
+            if runtime.tokenizer is None:
                 raise ValueError("SemantiCache's delimiter chunking needs the tokenizer: use kvmerge.generate, "
                                  "or pass tokenizer= to generate_ids")
-            self._table = delimiter_table(tokenizer)
+            self._table = delimiter_table(runtime.tokenizer)
         self.stats.clear()
         self.stats.update(fallback_layers=0, tau_mean=[])
 

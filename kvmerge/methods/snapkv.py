@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from ..ops.scores import pool_scores, received_attention
-from .base import ScoringMethod
+from .base import Needs, ScoringMethod
 from .registry import register
 
 
@@ -18,8 +18,8 @@ class SnapKV(ScoringMethod):
     name = "snapkv"
 
     @property
-    def query_window(self) -> int:
-        return self.obs_window
+    def requires(self) -> Needs:
+        return Needs(queries=self.obs_window)
 
     def scores(self, keys, log_n, ctx):
         received = received_attention(ctx.queries[:, :, -self.obs_window:], keys, ctx.scaling, log_n)

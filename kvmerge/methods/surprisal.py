@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from ..ops.gsc import STRONG_ANCHOR, delimiter_table
 from ..ops.scores import sentence_mean
-from .base import CarriedScores, ScoringMethod
+from .base import CarriedScores, Needs, ScoringMethod
 from .registry import register
 
 
@@ -21,13 +21,13 @@ class Surprisal(CarriedScores, ScoringMethod):
     sentence cut by a chunk boundary is averaged over each side separately."""
 
     name = "surprisal"
-    needs_surprisal = True
+    requires = Needs(surprisal=True, tokenizer=True)
 
-    def setup(self, model, tokenizer):
-        if tokenizer is None:
+    def setup(self, runtime):
+        if runtime.tokenizer is None:
             raise ValueError("surprisal needs the tokenizer to find sentence ends: use kvmerge.generate, "
                              "or pass tokenizer= to generate_ids")
-        self._table = delimiter_table(tokenizer)
+        self._table = delimiter_table(runtime.tokenizer)
 
     def scores(self, keys, log_n, ctx):
         if ctx.surprisal is None or ctx.token_ids is None:

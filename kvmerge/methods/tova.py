@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from ..ops.scores import attention_probs, evict_rows
-from .base import ScoringMethod
+from .base import Needs, ScoringMethod
 from .registry import register
 
 
@@ -15,8 +15,7 @@ class TOVA(ScoringMethod):
     to least (one per step)."""
 
     name = "tova"
-    query_window = 1
-    has_decode_policy = True
+    requires = Needs(queries=1, decode_policy=True)
 
     def scores(self, keys, log_n, ctx):
         return attention_probs(ctx.queries[:, :, -1:], keys, ctx.scaling, log_n)[:, :, -1]

@@ -37,27 +37,11 @@ class ZipGuard(KVzip):
             raise ValueError(f"zipguard needs saturated in [0, 1], got {self.saturated}")
         self._fallbacks = [get_method(name.strip()) for name in str(self.fallback).split("+")]
         for part in self._fallbacks:
-            if getattr(type(part), "scores", ScoringMethod.scores) is ScoringMethod.scores:
+            if not isinstance(part, ScoringMethod):
                 raise TypeError(f"zipguard's fallback must be scoring methods, got {part.name}")
 
-    @property
-    def query_window(self) -> int:
-        windows = [part.query_window for part in self._fallbacks]
-        return -1 if min(windows) < 0 else max(windows)
-
-    @property
-    def needs_surprisal(self) -> bool:
-        return any(part.needs_surprisal for part in self._fallbacks)
-
-    def setup(self, model, tokenizer):
-        super().setup(model, tokenizer)
-        for part in self._fallbacks:
-            part.setup(model, tokenizer)
-
-    def before_compress(self, session, token_rows, layers):
-        super().before_compress(session, token_rows, layers)
-        for part in self._fallbacks:
-            part.before_compress(session, token_rows, layers)
+    def parts(self):
+        return self._fallbacks
 
     def scores(self, keys, log_n, ctx):
         zipped = super().scores(keys, log_n, ctx)
@@ -68,8 +52,3 @@ class ZipGuard(KVzip):
         out = zipped.clone()
         out[..., lo:hi] = guard_saturated(zipped[..., lo:hi], order[..., lo:hi], self.saturated, self.level)
         return out
-
-    def selected(self, idx, ctx):
-        super().selected(idx, ctx)
-        for part in self._fallbacks:
-            part.selected(idx, ctx)

@@ -122,7 +122,7 @@ class KvmergeCPUImpl(CPUAttentionBackendImpl):
 
         config = get_current_vllm_config()
         self.num_layers = config.model_config.hf_text_config.num_hidden_layers
-        self.method = worker_method(config)
+        self.method, self.runtime = worker_method(config)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         size = kv_cache.shape[-1] // 2
@@ -148,11 +148,11 @@ class KvmergeCPUImpl(CPUAttentionBackendImpl):
         for prompt in () if plan is None else plan.prompts:
             span = slice(prompt.start, prompt.start + prompt.layout.prompt)
             q, k, v, slots = query[span], key[span], value[span], attn_metadata.slot_mapping[span]
-            if not self.method.needs_surprisal:
+            if not self.method.needs.surprisal:
                 self._compress(layer, prompt, q, k, v, kv_cache, slots, size)
                 continue
             # the logits exist only after the last layer: keep this layer's inputs (the queries it reads) till then
-            window = self.method.query_window
+            window = self.method.needs.queries
             q = q if window < 0 else q[max(q.shape[0] - window, 0):]
             plan.deferred.append((prompt, functools.partial(self._compress, layer, prompt, q.clone(), k.clone(),
                                                             v.clone(), kv_cache, slots.clone(), size)))
@@ -164,7 +164,7 @@ class KvmergeCPUImpl(CPUAttentionBackendImpl):
         start = time.perf_counter()
         lay = prompt.layout
         kv = compress_prompt(self.method, extract_layer_index(layer.layer_name), self.num_layers, query, key, value,
-                             prompt.token_ids, self.scale, lay.kept, surprisal)
+                             prompt.token_ids, self.scale, lay.kept, surprisal, self.runtime)
         keys, values = paged_entries(kv, lay, self.scale, size, key.dtype)
         CPUAttentionBackendImpl.do_kv_cache_update(self, layer, keys, values, kv_cache, slots[lay.start:])
         STATS["compress_seconds"] += time.perf_counter() - start

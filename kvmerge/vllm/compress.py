@@ -2,8 +2,9 @@
 vLLM's attention sees them, compressed by the same method object kvmerge's transformers runtime uses,
 and the result laid out as the paged slots it is written back to.
 
-Pure functions on tensors (no vLLM import): `compress_prompt` builds the `LayerContext` that
-`kvmerge.Session.compress` builds for one row compressed one-shot, and calls `method.compress`.
+Pure functions on tensors (no vLLM import): `compress_prompt` asks the one layer planner for the
+`LayerContext` that `kvmerge.Session.compress` builds for one row compressed one-shot, and calls
+`method.compress`; `VllmRuntime` is all a method sees of the worker.
 """
 
 from __future__ import annotations
@@ -13,38 +14,42 @@ from types import SimpleNamespace
 
 import torch
 
-from ..methods import LayerContext, LayerState, Method
-from ..model import token_surprisal
+from ..methods import LayerState, Method
+from ..model import attention_scaling, rotary_function, token_surprisal
 from ..ops.kv import KV
-from .config import Layout, hook_reads, settings_of
+from ..planner import plan_layer
+from ..runtime import Runtime
+from .config import Layout, settings_of
 
 EMPTY_LOG_N = -1000.0  # log-mass of an empty slot: exp(-1000) is 0 in float32; finite, so fp16 keeps it
 
 
 def compress_prompt(method: Method, layer_idx: int, num_layers: int, queries: torch.Tensor, keys: torch.Tensor,
                     values: torch.Tensor, token_ids: torch.Tensor, scaling: float, kept: int,
-                    surprisal: torch.Tensor | None = None) -> KV:
+                    surprisal: torch.Tensor | None = None, runtime: Runtime | None = None) -> KV:
     """One prompt of P tokens in one layer → at most `kept` entries per KV head.
 
-    queries `(P, hq, d)`, keys/values `(P, hkv, d)` (post-RoPE, in prompt order, as vLLM's attention
-    receives them), token_ids `(P,)` → `KV` keys/values `(1, hkv, kept, d)`, log_n `(1, hkv, kept)`
-    float32. Like `Session.compress` for one row without padding: the method sees the last
-    `method.query_window` queries (-1: all; 0: none), the target `kept`, its own sinks and window, the
-    layer's scaling, each token's `surprisal` `(P,)` (methods that need it) and a fresh `LayerState`;
-    nothing is compressed when `kept` ≥ P."""
+    queries `(P', hq, d)` (the last P' ≤ P of the prompt's), keys/values `(P, hkv, d)` (post-RoPE, in
+    prompt order, as vLLM's attention receives them), token_ids `(P,)` → `KV` keys/values
+    `(1, hkv, kept, d)`, log_n `(1, hkv, kept)` float32. The context comes from the one layer planner
+    (`kvmerge.planner.plan_layer`) as `Session.compress` builds it for one row without padding: the
+    last `needs.queries` queries, the target `kept`, each token's `surprisal` `(P,)`, a fresh
+    `LayerState`; `method.prepare` runs first with a fresh memo on `runtime`. Nothing is compressed
+    when `kept` ≥ P."""
     n = keys.shape[0]
     k, v = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
     log_n = torch.zeros(k.shape[:3], dtype=torch.float32, device=k.device)
     if kept >= n:
         return KV(k, v, log_n)
-    window = method.query_window
-    q = None if window == 0 else queries.transpose(0, 1)[None]
-    if q is not None and 0 < window < q.shape[2]:
-        q = q[:, :, -window:]
-    ctx = LayerContext(layer_idx=layer_idx, num_layers=num_layers, target=kept, sinks=method.sinks,
-                       window=method.window, scaling=scaling, token_ids=token_ids[None].to(k.device), queries=q,
-                       rows=torch.tensor([0]), state=LayerState(scaling=scaling), values=v, seen=n,
-                       surprisal=None if surprisal is None else surprisal[None, -n:].to(k.device))
+    runtime = runtime or Runtime()
+    runtime.memo = {}  # what a method computes here is this prompt's and this layer's
+    method.prepare_all(runtime, None, [layer_idx])
+    ctx = plan_layer(method, layer_idx, num_layers, KV(k, v, log_n), torch.tensor([0]), target=kept,
+                     window=method.window, scaling=scaling, seen=n, fresh=n,
+                     queries=None if method.needs.queries == 0 else queries.transpose(0, 1)[None],
+                     token_rows=[token_ids.tolist()],
+                     surprisal=None if surprisal is None else surprisal[None],
+                     state=LayerState(scaling=scaling))
     out = method.compress(k, v, log_n, ctx)
     if out.slots > kept:
         raise RuntimeError(f"{method.name} returned {out.slots} entries for a target of {kept}")
@@ -75,30 +80,26 @@ def paged_entries(kv: KV, layout: Layout, scale: float, size: int, dtype: torch.
     return out_k, out_v
 
 
-class ModelStandIn:
-    """What kvmerge's methods read of a transformers model, for vLLM's workers (which hold vLLM's model):
-    the decoder's rotary embedding (Expected Attention undoes RoPE on the queries), built from the
-    model's config by transformers itself; a parameter (its device); and, once `lm_head` is set, the
-    output embeddings and config that `kvmerge.model.token_surprisal` reads. `hf_config`: the model's
-    transformers config (vLLM's `model_config.hf_text_config`)."""
+class VllmRuntime(Runtime):
+    """The plugin's `Runtime` in a vLLM worker (which holds vLLM's model, not a transformers one): the
+    tokenizer (loaded when the method declares `Needs.tokenizer`), the model's rotary embedding built
+    from its transformers config by transformers itself (Expected Attention undoes RoPE on the
+    queries), its attention scaling, and a memo per compression. It has no second pass."""
 
-    def __init__(self, hf_config, lm_head: torch.Tensor | None = None):
+    def __init__(self, hf_config, tokenizer=None):
+        super().__init__(tokenizer, None, attention_scaling(hf_config))
         self.config = hf_config
-        self.lm_head = lm_head
         self._rotary = None
 
-    def get_decoder(self):
+    @property
+    def rotary(self):
         if self._rotary is None:
-            self._rotary = _rotary_embedding(self.config)
-        return SimpleNamespace(rotary_emb=self._rotary)
+            self._rotary = rotary_function(_rotary_embedding(self.config), torch.device("cpu"))
+        return self._rotary
 
-    def parameters(self):
-        return iter([torch.zeros(1) if self.lm_head is None else self.lm_head])
-
-    def get_output_embeddings(self):
-        if self.lm_head is None:
-            raise RuntimeError("kvmerge: the stand-in model has no LM head yet")
-        return SimpleNamespace(weight=self.lm_head, bias=None)
+    @rotary.setter
+    def rotary(self, value):
+        self._rotary = value
 
 
 def _rotary_embedding(hf_config):
@@ -111,35 +112,38 @@ def _rotary_embedding(hf_config):
     return min(found, key=lambda c: len(c.__name__))(config=hf_config)
 
 
+def build_method(settings, tokenizer_path: str | None, hf_config) -> tuple[Method, VllmRuntime]:
+    """A worker's method object for the plugin's `settings`, set up on a `VllmRuntime`, and that runtime."""
+    method = settings.build()
+    tokenizer = None
+    if method.needs.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    runtime = VllmRuntime(hf_config, tokenizer)
+    method.setup_all(runtime)
+    return method, runtime
+
+
 _METHODS: dict = {}
 
 
-def _method_for(spec: str, budget, tokenizer_path: str | None, hf_config) -> Method:
-    key = (spec, budget, tokenizer_path, hf_config.to_json_string())  # not id(): ids are reused
-    if key not in _METHODS:
-        method = settings_of({"kvmerge": {"method": spec, "budget": budget}}).build()
-        tokenizer = None
-        if hook_reads(method, "setup") == "tokenizer":
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        method.setup(ModelStandIn(hf_config), tokenizer)  # the stand-in builds its rotary module only if read
-        _METHODS[key] = method
-    return _METHODS[key]
-
-
-def worker_method(vllm_config) -> Method | None:
-    """The worker's method object for vLLM's config (one per process and settings; None: plugin off),
-    set up with the model's tokenizer and a `ModelStandIn` when the method's setup reads them."""
+def worker_method(vllm_config) -> tuple[Method, VllmRuntime] | None:
+    """The worker's method object and runtime for vLLM's config (one per process and settings; None:
+    plugin off): every attention layer of the process compresses with the same object."""
     settings = settings_of(getattr(vllm_config, "additional_config", None))
     if settings is None:
         return None
     model = vllm_config.model_config
-    return _method_for(settings.method, settings.budget, model.tokenizer, model.hf_text_config)
+    key = (settings, model.tokenizer, model.hf_text_config.to_json_string())  # not id(): ids are reused
+    if key not in _METHODS:
+        _METHODS[key] = build_method(settings, model.tokenizer, model.hf_text_config)
+    return _METHODS[key]
 
 
-def prompt_surprisal(stand_in: ModelStandIn, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+def prompt_surprisal(lm_head: torch.Tensor, hf_config, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Each prompt token's surprisal `(P,)` float32 (−log p given the prefix; the first token 0) from the
-    final hidden states `(P, d)` vLLM's model returns: `kvmerge.model.token_surprisal`, the function
-    kvmerge's transformers runtime uses, on the stand-in's LM head."""
-    return token_surprisal(stand_in, hidden[None], token_ids[None].to(hidden.device))[0]
+    final hidden states `(P, d)` vLLM's model returns and its LM head weight `(vocab, d)`:
+    `kvmerge.model.token_surprisal`, the function kvmerge's transformers runtime uses."""
+    head = SimpleNamespace(config=hf_config, get_output_embeddings=lambda: SimpleNamespace(weight=lm_head, bias=None))
+    return token_surprisal(head, hidden[None], token_ids[None].to(hidden.device))[0]

@@ -10,13 +10,11 @@ This module imports no vLLM: it reads the config object's attributes only.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
-from types import SimpleNamespace
 
-import torch
-
-from ..methods import LayerContext, Method, method_from_spec
+from ..capabilities import refusals
+from ..methods import Method, method_from_spec
+from ..planner import is_global
 
 KEY = "kvmerge"
 WORKER = "kvmerge.vllm.runner.KvmergeCPUWorker"
@@ -62,114 +60,13 @@ def settings_of(additional_config) -> Settings | None:
     return Settings(raw["method"], budget)
 
 
-class _Read(Exception):
-    """Raised by a `_Probe` when a hook reads the object it stands for."""
-
-
-class _Probe:
-    """Stands for an object a hook is not given in vLLM (the transformers model, kvmerge's runtime) or
-    is given later (the tokenizer): any use raises `_Read(what)`."""
-
-    def __init__(self, what: str):
-        object.__setattr__(self, "what", what)
-
-    def __getattr__(self, name):
-        raise _Read(self.what)
-
-    def __call__(self, *args, **kwargs):
-        raise _Read(self.what)
-
-    def __len__(self):
-        raise _Read(self.what)
-
-    def __iter__(self):
-        raise _Read(self.what)
-
-    def __getitem__(self, key):
-        raise _Read(self.what)
-
-
-class _UnitRotary:
-    """A rotary embedding's interface (cos, sin `(1, n, 2)` for position ids `(1, n)`), rotating nothing."""
-
-    def forward(self, x, position_ids):
-        n = position_ids.shape[-1]
-        return torch.ones(1, n, 2), torch.zeros(1, n, 2)
-
-    __call__ = forward
-
-
-class _RotaryProbe(_Probe):
-    """Stands for the transformers model where the plugin offers a stand-in (`compress.ModelStandIn`):
-    its decoder's rotary embedding and a parameter may be read; anything else raises `_Read("model")`."""
-
-    def __init__(self):
-        super().__init__("model")
-
-    def get_decoder(self):
-        return SimpleNamespace(rotary_emb=_UnitRotary())
-
-    def parameters(self):
-        return iter([torch.zeros(1)])
-
-
-def hook_reads(method: Method, hook: str) -> str | None:
-    """What `method.setup(model, tokenizer)` or `method.before_compress(runtime, ...)` reads first
-    ("model", "tokenizer", "runtime"), tried on a copy with `_Probe`s; None: nothing. A setup that
-    reads only the model's rotary embedding (what the plugin's stand-in offers) is not "model"."""
-    probe = copy.deepcopy(method)
-    try:
-        if hook == "setup":
-            probe.setup(_RotaryProbe(), _Probe("tokenizer"))
-        else:
-            probe.before_compress(_Probe("runtime"), [[0, 1]], [0])
-    except _Read as e:
-        return e.args[0]
-    except Exception:  # a hook that fails without its real arguments does something with them
-        return "runtime" if hook == "before_compress" else "model"
-    return None
-
-
-def _per_layer_budgets(method: Method) -> bool:
-    """Whether `method` plans budgets over layers or gives layers different targets."""
-    if type(method).plan is not Method.plan:
-        return True
-    ctxs = [LayerContext(layer_idx=i, num_layers=4, target=100, sinks=method.sinks, window=method.window, scaling=1.0)
-            for i in range(4)]
-    try:
-        return any(method.layer_target(ctx) != 100 for ctx in ctxs)
-    except Exception:
-        return True
-
-
 def refusal(method: Method) -> str | None:
-    """Why the plugin cannot run `method` yet (None: it can). The plugin compresses each prompt once,
-    after the prompt's prefill (inside each layer's attention, or after the last layer for methods
-    that need each token's surprisal), with one slot count for every layer and head; a method that
-    needs more than that layer's queries, keys, values, the prompt's token ids and surprisal, the
-    tokenizer and the rotary embedding is refused, by what it needs. Found by probing the method's hooks,
-    so composites (evictmerge's base, ...) are judged by their parts."""
-    name = method.name
-    if method.has_decode_policy:
-        return (f"{name} changes the cache while decoding (a decode-time policy); the plugin compresses once, "
-                "after the prefill, and vLLM's blocks of decoded tokens are not rewritten")
-    if getattr(method, "alloc", "uniform") != "uniform":
-        return (f"{name}: alloc={method.alloc!r} gives layers or heads different entry counts; vLLM's block table is "
-                "shared by every layer and head of a request, so each keeps the same count")
-    if method.sliding is not None:
-        return (f"{name}: sliding={method.sliding} shortens sliding-window layers; the plugin serves models with "
-                "full-attention layers only")
-    if _per_layer_budgets(method):
-        return (f"{name} sets per-layer budgets; vLLM's block table is shared by every layer of a request, so every "
-                "layer keeps the same number of entries (the largest could be kept and the rest masked; not "
-                "implemented)")
-    if hook_reads(method, "before_compress") is not None:
-        return (f"{name} runs another forward pass over the prompt before compressing (e.g. KVzip's reconstruction); "
-                "the plugin compresses inside one forward and has no second pass")
-    if hook_reads(method, "setup") == "model":
-        return (f"{name} reads the transformers model in setup beyond its rotary embedding (what the plugin's "
-                "stand-in offers); vLLM's workers hold vLLM's model, not a transformers one")
-    return None
+    """Why the plugin cannot run `method` (None: it can), from its declared needs
+    (`kvmerge.capabilities`). The plugin compresses each prompt once, after the prompt's prefill
+    (inside each layer's attention, or after the last layer for methods that need each token's
+    surprisal), with one slot count for every layer and head."""
+    reasons = refusals(method, "vllm")
+    return reasons[0] if reasons else None
 
 
 def padded_head_size(head_size: int) -> int:
@@ -207,15 +104,11 @@ class Layout:
 
 
 def needs_channel(method: Method) -> bool:
-    """Whether `method`'s entries can carry a log-mass other than 0 (it merges), so that the cache needs
-    the log-mass channel. `full` and methods that only select (`ScoringMethod`'s own compress, one
-    count per head) keep plain tokens: their cache keeps vLLM's head size and no slot is left empty."""
-    from ..methods import ScoringMethod
-
-    if method.name == "full":
-        return False
-    selects = isinstance(method, ScoringMethod) and type(method).compress is ScoringMethod.compress
-    return not (selects and method.alloc == "uniform")
+    """Whether the cache needs the log-mass channel: `method` merges (`Needs.merges`: its entries are
+    not plain tokens only, so it keeps exactly its target and may carry a log-mass) or spreads its
+    budget globally (empty slots). `full` and methods that only select keep plain tokens: their cache
+    keeps vLLM's head size and no slot is left empty."""
+    return method.needs.merges or is_global(method)
 
 
 def layout(method: Method, prompt: int, block_size: int) -> Layout:

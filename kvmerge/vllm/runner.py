@@ -19,7 +19,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from .attention import STATS, KvmergeCPUBuilder, Prompt, StepPlan
-from .compress import ModelStandIn, prompt_surprisal, worker_method
+from .compress import prompt_surprisal, worker_method
 from .config import layout, needs_channel
 
 BACKEND = "kvmerge.vllm.attention.KvmergeCPUBackend"  # with the log-mass channel
@@ -33,10 +33,10 @@ class KvmergeCPURunner(CPUModelRunner):
     kvmerge_freed: dict
 
     def kvmerge_start(self) -> None:
-        self.kvmerge_method = worker_method(self.vllm_config)
+        self.kvmerge_method, _ = worker_method(self.vllm_config)
         self.kvmerge_freed = {}
         self.kvmerge_step: StepPlan | None = None
-        self.kvmerge_stand_in: ModelStandIn | None = None
+        self.kvmerge_lm_head: torch.Tensor | None = None
 
     def _model_forward(self, *args, **kwargs):
         """vLLM's forward, then the step's deferred compressions, given each prompt's surprisal from the
@@ -46,7 +46,8 @@ class KvmergeCPURunner(CPUModelRunner):
         if plan is not None and plan.deferred:
             start = time.perf_counter()
             hidden = out[0] if isinstance(out, tuple) else out
-            surprisal = {p.row: prompt_surprisal(self._stand_in(), hidden[p.start:p.start + p.layout.prompt],
+            config = self.vllm_config.model_config.hf_text_config
+            surprisal = {p.row: prompt_surprisal(self._lm_head(), config, hidden[p.start:p.start + p.layout.prompt],
                                                  p.token_ids) for p in plan.prompts}
             STATS["compress_seconds"] += time.perf_counter() - start
             for prompt, compress in plan.deferred:
@@ -54,16 +55,16 @@ class KvmergeCPURunner(CPUModelRunner):
             plan.deferred.clear()
         return out
 
-    def _stand_in(self) -> ModelStandIn:
-        """The stand-in model whose LM head gives the surprisal: vLLM's LM head weight, first vocab_size rows."""
-        if self.kvmerge_stand_in is None:
+    def _lm_head(self) -> torch.Tensor:
+        """vLLM's LM head weight, its first vocab_size rows: the surprisal's logits."""
+        if self.kvmerge_lm_head is None:
             config = self.vllm_config.model_config.hf_text_config
             head = getattr(self.get_model(), "lm_head", None)
             if getattr(head, "weight", None) is None:
                 raise ValueError(f"kvmerge: {self.kvmerge_method.name} needs each token's surprisal, and the model "
                                  "has no LM head weight (lm_head.weight) to compute it from")
-            self.kvmerge_stand_in = ModelStandIn(config, head.weight[:config.vocab_size])
-        return self.kvmerge_stand_in
+            self.kvmerge_lm_head = head.weight[:config.vocab_size]
+        return self.kvmerge_lm_head
 
     def _block_size(self) -> int:
         groups = self.kv_cache_config.kv_cache_groups
@@ -115,7 +116,7 @@ class KvmergeCPUWorker(CPUWorker):
     `KvmergeCPURunner` as its runner. Named by `parallel_config.worker_cls` when the plugin is on."""
 
     def __init__(self, vllm_config, *args, **kwargs):
-        method = worker_method(vllm_config)
+        method, _ = worker_method(vllm_config)
         register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND if needs_channel(method) else PLAIN_BACKEND)
         # vLLM caches each backend lookup for the process: a second engine in this process (tests,
         # benchmarks) with the other kind of method must not get the first one's backend

@@ -1,22 +1,22 @@
-"""The vLLM plugin's stand-in for the transformers model (kvmerge/vllm/compress.py imports no vLLM, so
-this runs in the main venv): what methods read of the model through it equals what they read of the
-transformers model itself, so that Expected Attention's rotation and the surprisal of `expectmerge`
-are the same numbers inside vLLM as in kvmerge's runtime."""
+"""The vLLM plugin's runtime interface (kvmerge/vllm/compress.py imports no vLLM, so this runs in the
+main venv): what methods read through it equals what they read through the transformers runtime, so
+that Expected Attention's rotation and the surprisal of `expectmerge` are the same numbers inside
+vLLM as in kvmerge's runtime."""
 
 import torch
 
 from kvmerge import Session, get_method
-from kvmerge.vllm.compress import ModelStandIn, compress_prompt, prompt_surprisal
-from kvmerge.vllm.config import hook_reads, refusal
+from kvmerge.vllm.compress import VllmRuntime, build_method, compress_prompt, prompt_surprisal
+from kvmerge.vllm.config import Settings, refusal
 
 from .conftest import random_ids, tiny_model
 
 
-def test_the_stand_in_rotary_gives_the_models_rotation():
+def test_the_vllm_runtimes_rotary_gives_the_models_rotation():
     model = tiny_model("llama")
     ours, theirs = get_method("expected_attention"), get_method("expected_attention")
-    ours.setup(ModelStandIn(model.config), None)
-    theirs.setup(model, None)
+    ours.setup_all(VllmRuntime(model.config))
+    theirs.setup_all(Session(model, 1).runtime)
     positions = torch.arange(0, 3000, 7)
     for a, b in zip(ours._cos_sin(positions), theirs._cos_sin(positions)):
         assert torch.equal(a, b)
@@ -33,15 +33,14 @@ def test_prompt_surprisal_equals_the_runtimes():
     with torch.inference_mode():
         model(input_ids=torch.tensor([ids]))
     hook.remove()
-    got = prompt_surprisal(ModelStandIn(model.config, model.get_output_embeddings().weight), hidden[0][0],
-                           torch.tensor(ids))
+    got = prompt_surprisal(model.get_output_embeddings().weight, model.config, hidden[0][0], torch.tensor(ids))
     assert got.shape == (60,) and got[0] == 0 and float(got[1:].min()) > 0
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def test_methods_that_read_the_rotary_or_surprisal_are_accepted_and_others_are_not():
-    assert hook_reads(get_method("expectmerge"), "setup") == "tokenizer"  # past the rotary, the sentence ends
-    assert hook_reads(get_method("expected_attention"), "setup") is None
+    assert get_method("expectmerge").needs.tokenizer and get_method("expectmerge").needs.rotary  # the sentence ends
+    assert not get_method("expected_attention").needs.tokenizer
     for name in ("expectmerge", "surprisemerge", "surprisal", "expected_attention", "mixed_attention"):
         assert refusal(get_method(name)) is None, name
     assert refusal(get_method("kvzip")).startswith("kvzip")
@@ -57,7 +56,7 @@ def test_compress_prompt_passes_the_surprisal_and_a_pre_sliced_query_window():
     ids = torch.tensor(random_ids(p, seed=1))
     snap = get_method("snapkv", budget=0.25)
     whole = compress_prompt(snap, 0, 2, q, k, v, ids, 0.3, 24)
-    cut = compress_prompt(snap, 0, 2, q[-snap.query_window:], k, v, ids, 0.3, 24)
+    cut = compress_prompt(snap, 0, 2, q[-snap.needs.queries:], k, v, ids, 0.3, 24)
     assert torch.equal(whole.keys, cut.keys) and torch.equal(whole.values, cut.values)
     seen, scores = [], snap.scores
     snap.scores = lambda keys, log_n, ctx: (seen.append(ctx.surprisal), scores(keys, log_n, ctx))[1]
@@ -68,13 +67,12 @@ def test_compress_prompt_passes_the_surprisal_and_a_pre_sliced_query_window():
 
 def test_the_worker_sets_up_a_method_that_reads_only_the_rotary_embedding():
     """expected_attention's setup reads the rotary embedding and no tokenizer: the worker's method gets
-    the stand-in all the same (not None), and its rotation is the model's."""
-    from kvmerge.vllm.compress import _method_for
-
+    the runtime all the same, no tokenizer is loaded, and its rotation is the model's."""
     model = tiny_model("llama")
-    method = _method_for("expected_attention", 0.25, None, model.config)
+    method, runtime = build_method(Settings("expected_attention", 0.25), None, model.config)
+    assert runtime.tokenizer is None
     theirs = get_method("expected_attention")
-    theirs.setup(model, None)
+    theirs.setup_all(Session(model, 1).runtime)
     positions = torch.arange(0, 300, 11)
     for a, b in zip(method._cos_sin(positions), theirs._cos_sin(positions)):
         assert torch.equal(a, b)
