@@ -90,7 +90,7 @@ def test_unsupported_model_type_is_refused(tmp_path):
 def test_every_registered_method_is_runnable_or_refused_with_a_reason():
     runnable = {n for n in kvmerge.available_methods() if refusal(kvmerge.get_method(n)) is None}
     assert runnable >= {"full", "snapkv", "h2o", "keydiff", "streamingllm", "evictmerge", "cam", "kmeans",
-                        "semanticache", "surprisal", "surprisemerge", "expectmerge", "expected_attention",
+                        "semanticache", "surprisal", "surprisemerge", "mixedmerge", "expected_attention",
                         "mixed_attention", "echo"}
     for name in {"kvzip", "pyramidkv", "d2o", "tova", "centroidkv"}:
         assert refusal(kvmerge.get_method(name)).startswith(name)

@@ -1,4 +1,5 @@
-"""Methods by name: the registry, and spec strings (`"evictmerge:base=h2o:min_cosine=0.5"`) parsed in one place."""
+"""Methods by name: the registry of method classes, the presets (`presets.py`: named specs, as data)
+and their older names, and spec strings (`"evictmerge:base=h2o:min_cosine=0.5"`) parsed in one place."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 from dataclasses import MISSING, fields
 
 from .base import Method
+from .presets import PRESETS
 
 _REGISTRY: dict[str, type[Method]] = {}
 
@@ -17,22 +19,40 @@ def register(cls: type[Method]) -> type[Method]:
     return cls
 
 
-def available_methods() -> list[str]:
-    return sorted(_REGISTRY)
-
-
 def _normal(name: str) -> str:
     return name.lower().replace("-", "").replace("_", "")
 
 
+_PRESETS = {_normal(p.name): p for p in PRESETS}
+_ALIASES = {_normal(a): p.name for p in PRESETS for a in p.aliases}
+
+
+def available_methods() -> list[str]:
+    """Every method and preset name (older names not included)."""
+    return sorted(set(_REGISTRY) | {p.name for p in PRESETS})
+
+
+def canonical(name: str) -> str | None:
+    """The registered or preset name that `name` means (an older name resolved), or None."""
+    key = _normal(name)
+    key = _normal(_ALIASES.get(key, name))
+    if key in _PRESETS:
+        return _PRESETS[key].name
+    return next((n for n in _REGISTRY if _normal(n) == key), None)
+
+
 def get_method(name: str, **params) -> Method:
-    """A method instance by registered name, e.g. `get_method("streamingllm", budget=0.25)`.
+    """A method instance by registered or preset name, e.g. `get_method("streamingllm", budget=0.25)`.
 
     A parameter that takes a method (`evictmerge`'s `base`) also accepts a name or a
-    `{"name": ..., **params}` dict."""
-    cls = next((c for n, c in _REGISTRY.items() if _normal(n) == _normal(name)), None)
-    if cls is None:
+    `{"name": ..., **params}` dict; a part named so keeps uniform allocation unless told otherwise
+    (the composite owns the allocation)."""
+    found = canonical(name)
+    if found is None:
         raise ValueError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
+    if _normal(found) in _PRESETS:
+        return _PRESETS[_normal(found)].build(params)
+    cls = _REGISTRY[found]
     known = {f.name: f for f in fields(cls) if f.init}
     unknown = set(params) - set(known)
     if unknown:
@@ -41,17 +61,34 @@ def get_method(name: str, **params) -> Method:
     for key, value in params.items():
         f = known[key]
         takes_method = f.default_factory is not MISSING and isinstance(f.default_factory(), Method)
-        if takes_method and isinstance(value, str):
-            params[key] = get_method(value)
-        elif takes_method and isinstance(value, dict):
-            params[key] = get_method(**value)
+        if takes_method and isinstance(value, (str, dict)):
+            spec = {"name": value} if isinstance(value, str) else dict(value)
+            part = canonical(spec["name"])
+            if part in _REGISTRY and any(p.name == "alloc" for p in fields(_REGISTRY[part])):
+                spec.setdefault("alloc", "uniform")
+            params[key] = get_method(**spec)
     return cls(**params)
 
 
-def method_from_spec(spec: str, budget: float | int | None = None) -> Method:
-    """A method from `name[:param=value...]` (values are JSON; a bare word is a string), with `budget`
-    unless the spec sets one (`full` takes none)."""
-    name, *params = spec.split(":")
+def split_spec(spec: str) -> list[str]:
+    """`spec` split at the colons outside brackets, braces and quotes."""
+    parts, depth, quoted, start = [], 0, False, 0
+    for i, c in enumerate(spec):
+        if c == '"':
+            quoted = not quoted
+        elif not quoted and c in "[{":
+            depth += 1
+        elif not quoted and c in "]}":
+            depth -= 1
+        elif c == ":" and depth == 0 and not quoted:
+            parts.append(spec[start:i])
+            start = i + 1
+    return parts + [spec[start:]]
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """`name[:param=value...]` → (name, params); values are JSON (a bare word is a string)."""
+    name, *params = split_spec(spec)
     kwargs = {}
     for p in params:
         key, sep, value = p.partition("=")
@@ -61,6 +98,13 @@ def method_from_spec(spec: str, budget: float | int | None = None) -> Method:
             kwargs[key] = json.loads(value)
         except json.JSONDecodeError:
             kwargs[key] = value
+    return name, kwargs
+
+
+def method_from_spec(spec: str, budget: float | int | None = None) -> Method:
+    """A method from `name[:param=value...]` (values are JSON; a bare word is a string), with `budget`
+    unless the spec sets one (`full` takes none)."""
+    name, kwargs = parse_spec(spec)
     if budget is not None and _normal(name) != "full":
         kwargs.setdefault("budget", budget)
     return get_method(name, **kwargs)

@@ -1,0 +1,83 @@
+"""Presets: named method specs, as data. A preset is a registered method with other defaults (its
+`params`; `base.x` sets parameter x of the method's `base` part), optionally with parameters tied
+together (`ties`: a preset parameter that sets several, e.g. guardmerge's `saturated` sets its own
+and its base's). `kvmerge methods` lists them beside the methods; `get_method` resolves them.
+
+`recommended` marks what the README recommends; `aliases` are older names kept for a release.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    method: str
+    params: dict
+    summary: str
+    ties: dict = field(default_factory=dict)
+    recommended: bool = False
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def spec(self) -> str:
+        """The preset as a method spec a user could type (`base.x` shown as a nested object)."""
+        top = {k: v for k, v in self.params.items() if "." not in k}
+        nested = {k.split(".", 1)[1]: v for k, v in self.params.items() if k.startswith("base.")}
+        if nested:
+            top["base"] = {"name": top["base"], **nested}
+        return ":".join([self.method] + [f"{k}={_show(v)}" for k, v in top.items()])
+
+    def build(self, params: dict):
+        """The method object, with `params` (a user's) over the preset's."""
+        from .base import Method
+        from .registry import get_method
+
+        merged = dict(self.params)
+        if "base" in params:  # another base: the preset's settings of its own base no longer apply
+            merged = {k: v for k, v in merged.items() if not k.startswith("base.")}
+        for key, value in params.items():
+            for target in self.ties.get(key, (key,)):
+                if not (target.startswith("base.") and "base" in params and target != key):
+                    merged[target] = value
+        nested = {k.split(".", 1)[1]: merged.pop(k) for k in list(merged) if k.startswith("base.")}
+        if nested:
+            base = merged.get("base")
+            if isinstance(base, Method):
+                merged["base"] = replace(base, **nested)
+            elif isinstance(base, dict):
+                merged["base"] = {**base, **nested}
+            else:
+                merged["base"] = {"name": base, **nested}
+        method = get_method(self.method, **merged)
+        method.preset = self.name
+        return method
+
+
+def _show(value) -> str:
+    import json
+
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+
+PRESETS = [
+    Preset("surprisemerge", "evictmerge", {"recent": 0.5, "exact": 0.25, "whole": True},
+           "the recent window, the most surprising sentences kept exact and SnapKV's picks; the rest merged "
+           "into them by attention"),
+    Preset("mixedmerge", "evictmerge",
+           {"recent": 0.5, "exact": 0.25, "whole": True, "base": "mixed_attention", "calibrate_with": "expected"},
+           "surprisemerge whose picks and merge weights come from mixed attention (Expected Attention's "
+           "estimate averaged with the last prompt queries'); no second pass", recommended=True,
+           aliases=("expectmerge",)),
+    Preset("zipmerge", "evictmerge", {"base": "kvzip", "alloc": "head", "recent": 0.0, "calibrate_with": "base"},
+           "KVzip's global picks kept exact, every other entry merged into them, weighted by KVzip's scores"),
+    Preset("zipguardmerge", "evictmerge",
+           {"base": "zipguard", "alloc": "head", "recent": 0.0, "calibrate_with": "base", "saturated": 0.25,
+            "base.saturated": 0.25, "base.fallback": "surprisal+echo"},
+           "zipmerge on zipguard's picks (copy heads ranked by surprisal and echo, where they evict); keeps "
+           "facts in the document's own words", ties={"saturated": ("saturated", "base.saturated"),
+                                                      "fallback": ("base.fallback",)},
+           recommended=True, aliases=("guardmerge",)),
+]
