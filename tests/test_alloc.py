@@ -262,7 +262,7 @@ def test_merging_with_per_head_allocation_keeps_the_same_picks_and_conserves_mas
     head's live slots hold all 160 tokens' mass (each evicted token joined a kept entry)."""
     model = tiny_model(num_hidden_layers=3)
     def merging(**kw):
-        return kvmerge.get_method("evictmerge", budget=0.25, base=kvmerge.get_method("kvzip", window=8, chunk=64),
+        return kvmerge.get_method("evictmerge", budget=0.25, base=kvmerge.get_method("kvzip", window=8, chunk=64, alloc="uniform"),
                                   alloc="head", recent=0.0, window=8, **kw)
 
     _, picked, _ = _compressed(model, "kvzip:alloc=head:window=8:chunk=64")
@@ -282,7 +282,7 @@ def test_merging_with_per_head_allocation_keeps_the_same_picks_and_conserves_mas
 
 def test_zipmerge_is_kvzip_global_picks_with_evictmerge_merging_and_refuses_chunks():
     model = tiny_model(num_hidden_layers=3)
-    kvzip = kvmerge.get_method("kvzip", window=8, chunk=64)
+    kvzip = kvmerge.get_method("kvzip", window=8, chunk=64, alloc="uniform")
     _, named, _ = _compressed(model, kvmerge.get_method("zipmerge", budget=0.25, window=8, base=kvzip))
     _, spelled, _ = _compressed(model, kvmerge.get_method("evictmerge", budget=0.25, window=8, base=kvzip, alloc="head",
                                                           recent=0.0, calibrate_with="base"))

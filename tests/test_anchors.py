@@ -209,7 +209,7 @@ def test_kvzip_plus_on_a_ragged_batch_equals_each_row_alone(arch):
     from .conftest import TinyTokenizer, random_ids, tiny_model
     from .test_hybrid import gemma3
     model = gemma3() if arch == "gemma3" else tiny_model()
-    m = kvmerge.get_method("kvzip", budget=0.25, window=8, plus=True, chunk=64)
+    m = kvmerge.get_method("kvzip", budget=0.25, window=8, plus=True, chunk=64, alloc="uniform")
     ctx, qs = [random_ids(160, seed=1), random_ids(120, seed=2)], [[3, 4], [5]]
     out = kvmerge.generate_ids(model, ctx, qs, m, max_new_tokens=6, tokenizer=TinyTokenizer())
     alone = [kvmerge.generate_ids(model, c, q, m, max_new_tokens=6, tokenizer=TinyTokenizer()).tokens[0]

@@ -87,7 +87,7 @@ def test_zipguard_keeps_kvzips_counts_and_the_fallbacks_top_entries_in_saturated
 def test_zipguard_without_saturated_heads_is_kvzip_and_refuses_what_it_cannot_use():
     model, ctx = tiny_model(num_hidden_layers=2), random_ids(120, seed=4)
     caches = []
-    for method in (kvmerge.get_method("kvzip", budget=0.25, window=8, chunk=64),
+    for method in (kvmerge.get_method("kvzip", budget=0.25, window=8, chunk=64, alloc="uniform"),
                    kvmerge.get_method("zipguard", budget=0.25, window=8, chunk=64, saturated=1.0)):
         s = Session(model, 1, method, TinyTokenizer())
         with torch.no_grad():

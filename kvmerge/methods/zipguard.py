@@ -26,6 +26,7 @@ class ZipGuard(KVzip):
     `base` of `zipmerge` / `evictmerge`, the evicted entries merge into these picks. Costs KVzip's
     second prefill plus the fallbacks' own scoring."""
 
+    alloc: str = "uniform"
     fallback: str = "surprisal"
     saturated: float = 0.25
     level: float = 0.5
