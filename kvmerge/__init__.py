@@ -9,14 +9,15 @@ from .attention import kvmerge_attention
 from .cache import MergedCache, MergedLayer
 from .compressing import Compressor, compressing
 from .generate import GenerationOutput, Sampling, answer_questions, generate, generate_ids, split_prompt
-from .methods import (LayerContext, LayerState, Method, ScoringMethod, available_methods, get_method,
+from .methods import (LayerContext, LayerState, Method, Needs, ScoringMethod, available_methods, get_method,
                       method_from_spec, register)
 from .model import check_supported, load_model
 from .ops.kv import KV
 from .session import Session
 
 __all__ = [
-    "KV", "Compressor", "GenerationOutput", "LayerContext", "LayerState", "MergedCache", "MergedLayer", "Method", "ScoringMethod",
+    "KV", "Compressor", "GenerationOutput", "LayerContext", "LayerState", "MergedCache", "MergedLayer", "Method", "Needs",
+    "ScoringMethod",
     "Sampling", "Session", "answer_questions", "available_methods", "check_supported", "compressing", "generate", "generate_ids", "get_method",
     "kvmerge_attention", "load_model", "method_from_spec", "register", "split_prompt",
 ]

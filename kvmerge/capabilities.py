@@ -18,13 +18,16 @@ def refusals(method, runtime: str) -> list[str]:
     needs, name, out = method.needs, method.name, []
     if runtime == "chunked" and is_global(method):
         out.append(f"{name}: alloc={method.alloc!r} spreads one budget over every layer and head at once; a chunked "
-                   "prefill compresses before the later chunks exist, so it needs a one-shot prefill (no "
+                   "prefill compresses before the later chunks exist, so it needs a one-shot compression (no "
                    "prefill_chunk)")
     if runtime != "vllm":
         return out
     if needs.decode_policy:
         out.append(f"{name} changes the cache while decoding (a decode-time policy); the plugin compresses once, "
                    "after the prefill, and vLLM's blocks of decoded tokens are not rewritten")
+    if needs.second_pass:
+        out.append(f"{name} runs another forward pass over the prompt before compressing (e.g. KVzip's "
+                   "reconstruction); the plugin compresses inside one forward and has no second pass")
     if needs.head_counts or needs.layer_counts:
         what = f": alloc={method.alloc!r} gives" if is_global(method) else " sets per-layer budgets, giving"
         out.append(f"{name}{what} layers or heads different entry counts; vLLM's block table is shared by every "
@@ -32,9 +35,6 @@ def refusals(method, runtime: str) -> list[str]:
     if needs.sliding:
         out.append(f"{name}: sliding={method.sliding} shortens sliding-window layers; the plugin serves models with "
                    "full-attention layers only")
-    if needs.second_pass:
-        out.append(f"{name} runs another forward pass over the prompt before compressing (e.g. KVzip's "
-                   "reconstruction); the plugin compresses inside one forward and has no second pass")
     return out
 
 

@@ -82,14 +82,9 @@ class Compressor:
         if self._pending is not None:
             session, ids, hidden = self._pending
             self._pending = None
-            session.seen += ids.shape[1]
-            session.plain += ids.shape[1]
-            session.captured += ids.shape[1]
-            surprisal = None
-            if self.method.needs.surprisal:
-                surprisal = session.surprisal_of(hidden[0], ids.cpu(), torch.zeros(ids.shape, dtype=torch.bool))
+            session.fed(torch.full((ids.shape[0],), ids.shape[1]), captured=1)
             session.method.target(ids.shape[1])  # a clear error if the prompt cannot meet the budget
-            session.compress(ids.tolist(), surprisal=surprisal)
+            session.compress_prompt(ids.tolist(), hidden[0] if hidden else None)
         return output
 
 

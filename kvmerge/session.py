@@ -17,6 +17,7 @@ import torch
 
 from .attention import kvmerge_attention
 from .cache import MergedCache
+from .capabilities import check
 from .methods import LayerContext, LayerState, Method
 from .methods.full import Full
 from .model import check_supported, token_surprisal
@@ -77,14 +78,28 @@ class Session:
                                  use_cache=True, logits_to_keep=0 if all_logits else 1)
         finally:
             self.cache.next_log_n = None
+        self.fed(lengths, capture)
+        logits = out.logits.float() if all_logits else out.logits[:, -1].float()
+        return logits, states[0] if hidden else None, ids, pad
+
+    def fed(self, lengths: torch.Tensor, captured: int = 0) -> None:
+        """Account for a forward that appended `lengths` `(batch,)` tokens to the cache (queries kept if
+        `captured`): the counters advance and the memo is dropped (the cache changed)."""
         self.memo = {}
         self.seen += lengths
         self.plain += lengths
-        if capture:
+        if captured:
             self.captured += lengths
         self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache.allocated_bytes)
-        logits = out.logits.float() if all_logits else out.logits[:, -1].float()
-        return logits, states[0] if hidden else None, ids, pad
+
+    def compress_prompt(self, rows: list[list[int]], hidden: torch.Tensor | None = None, pad=None) -> None:
+        """Compress a prompt just fed (`rows`, left-padded as fed): the surprisal, when the method needs
+        it, from the final hidden states `hidden` `(b, width, d)` and the padding mask `pad`."""
+        surprisal = None
+        if self.method.needs.surprisal:
+            ids = torch.tensor([[0] * (max(map(len, rows)) - len(r)) + list(r) for r in rows])
+            surprisal = self.surprisal_of(hidden, ids, torch.zeros(ids.shape, dtype=torch.bool) if pad is None else pad)
+        self.compress(rows, surprisal=surprisal)
 
     @contextmanager
     def observing(self, capture: int = 0, decoding: bool = True, hidden: bool = False):
@@ -126,6 +141,8 @@ class Session:
         width = max(len(r) for r in rows)
         if chunk is not None:
             self._check_chunk(chunk, window)
+            if method is not None and chunk < width:  # refused before any forward, not after
+                check(method, "chunked")
         if method is not None and method.sliding is not None:  # refused before any forward, not after
             sliding_layers(self.cache.layers, method, [int(s) + len(r) for s, r in zip(self.seen, rows)])
         if chunk is None or chunk >= width:

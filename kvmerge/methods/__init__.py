@@ -4,11 +4,11 @@ in it, so a new method is one new file."""
 import importlib
 import pkgutil
 
-from .base import LayerContext, LayerState, Method, ScoringMethod
+from .base import LayerContext, LayerState, Method, Needs, ScoringMethod
 from .registry import available_methods, get_method, method_from_spec, register
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["LayerContext", "LayerState", "Method", "ScoringMethod", "available_methods", "get_method",
+__all__ = ["LayerContext", "LayerState", "Method", "Needs", "ScoringMethod", "available_methods", "get_method",
            "method_from_spec", "register"]

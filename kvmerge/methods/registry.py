@@ -108,3 +108,33 @@ def method_from_spec(spec: str, budget: float | int | None = None) -> Method:
     if budget is not None and _normal(name) != "full":
         kwargs.setdefault("budget", budget)
     return get_method(name, **kwargs)
+
+
+def load_plugins(names: list[str]) -> None:
+    """Import each module (a dotted name) or Python file (a path ending in .py) in `names`, so that the
+    methods it registers can be named in specs (the vLLM plugin's `imports` setting, run in every
+    process). Raises a ValueError naming what is not there."""
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    for name in names:
+        path = Path(name)
+        if name.endswith(".py"):
+            if not path.is_file():
+                raise ValueError(f"kvmerge: no module or file {name!r} to import methods from")
+            module = f"kvmerge_plugin_{path.stem}"
+            if module in sys.modules:
+                continue
+            spec = importlib.util.spec_from_file_location(module, path)
+            sys.modules[module] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(sys.modules[module])
+        else:
+            try:
+                found = importlib.util.find_spec(name) is not None
+            except ModuleNotFoundError:
+                found = False
+            if not found:
+                raise ValueError(f"kvmerge: no module or file {name!r} to import methods from")
+            importlib.import_module(name)

@@ -1,0 +1,68 @@
+"""Extending kvmerge: a new scoring method is one file (tests/plugins/lastquery.py, about 20 lines) with
+no runtime code, and it runs one-shot and under a chunked prefill (and inside vLLM:
+tests/test_vllm_transformers.py). Composites declare their parts, whose needs and hooks they get."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvmerge
+from kvmerge.capabilities import refusals, where
+from kvmerge.methods.registry import load_plugins
+
+from .conftest import TinyTokenizer, random_ids, tiny_model
+
+PLUGIN = Path(__file__).parent / "plugins" / "lastquery.py"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lastquery():
+    load_plugins([str(PLUGIN)])
+
+
+def _kept(spec, chunk=None, ids=None):
+    model = tiny_model()
+    method = kvmerge.method_from_spec(f"{spec}:window=8", 0.25)
+    session = kvmerge.Session(model, 1, method, TinyTokenizer())
+    with torch.no_grad():
+        session.prefill([ids or random_ids(200, seed=11)], chunk=chunk)
+    return [session.cache.layers[i].kv() for i in session.cache.compressible]
+
+
+def test_the_file_is_about_twenty_lines_and_declares_what_it_needs():
+    code = [line for line in PLUGIN.read_text().splitlines() if line.strip()]
+    assert len(code) <= 22
+    method = kvmerge.get_method("lastquery")
+    assert method.needs == kvmerge.Needs(queries=1)
+    assert where(method) == {"transformers": True, "chunked": True, "vllm": True}
+
+
+@pytest.mark.parametrize("chunk", [None, 48])
+def test_a_new_method_runs_one_shot_and_chunked_and_keeps_tovas_prefill_picks(chunk):
+    """TOVA's prefill selection is the same score (its decode policy aside): the same entries, bit for bit."""
+    ours, tova = _kept("lastquery", chunk), _kept("tova", chunk)
+    for a, b in zip(ours, tova):
+        assert a.slots == b.slots == round(0.25 * 200)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+def test_plugins_load_by_module_or_path_and_refuse_what_is_not_there():
+    load_plugins([str(PLUGIN)])  # again: a no-op, the name stays registered once
+    assert kvmerge.available_methods().count("lastquery") == 1
+    with pytest.raises(ValueError, match="no module or file 'no_such_plugin'"):
+        load_plugins(["no_such_plugin"])
+    assert importlib.util.find_spec("kvmerge.methods.snapkv")
+    load_plugins(["kvmerge.methods.snapkv"])  # a module name works too
+
+
+def test_a_composite_gets_its_parts_needs_and_hooks():
+    """d2o on a base that needs each token's surprisal and carries scores across chunks: the base's
+    needs are d2o's, and its `selected` hook runs (chunked prefill needs it)."""
+    method = kvmerge.get_method("d2o", base="surprisal")
+    assert method.needs.surprisal and method.needs.tokenizer and method.needs.queries == 32
+    kept = _kept("d2o:base=surprisal", chunk=48)
+    assert all(kv.slots <= 2 * 50 for kv in kept)
+    assert refusals(method, "vllm")[0].startswith("d2o sets per-layer budgets")
