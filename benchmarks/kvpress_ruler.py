@@ -35,18 +35,29 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
          "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
-PRESS_NAMES = ("snapkv", "expected_attention", "streaming_llm", "keydiff", "kvzip", "kvzip_plus", "tova", "pyramidkv",
-               "knorm", "merging_expected_attention")
+PRESS_NAMES = ("no_press", "snapkv", "expected_attention", "streaming_llm", "keydiff", "kvzip", "kvzip_plus", "tova",
+               "pyramidkv", "knorm", "merging_expected_attention")
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model")
 
 
 def presses() -> dict:
-    """Press name → constructor: kvpress's leaderboard presses on RULER (question-agnostic), named as in
-    kvpress's evaluation/evaluate_registry.py, and MergingPress over Expected Attention."""
-    from kvpress import (AdaKVPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, KVzipPress, MergingPress,
-                         PyramidKVPress, SnapKVPress, StreamingLLMPress, TOVAPress)
+    """Press name → constructor: no press, kvpress's leaderboard presses on RULER (question-agnostic),
+    named as in kvpress's evaluation/evaluate_registry.py, and MergingPress over Expected Attention."""
+    from kvpress import (
+        AdaKVPress,
+        ExpectedAttentionPress,
+        KeyDiffPress,
+        KnormPress,
+        KVzipPress,
+        MergingPress,
+        PyramidKVPress,
+        SnapKVPress,
+        StreamingLLMPress,
+        TOVAPress,
+    )
 
     return {  # the keys are PRESS_NAMES
+        "no_press": lambda: None,  # the full cache, once per sample (budget 1)
         "snapkv": SnapKVPress,
         "expected_attention": lambda: AdaKVPress(ExpectedAttentionPress(epsilon=1e-2)),
         "streaming_llm": StreamingLLMPress,
@@ -93,7 +104,7 @@ def _package_file(relative: str):
     spec = importlib.util.find_spec("long_context_eval")
     if spec is None or not spec.submodule_search_locations:
         sys.exit("NVIDIA's RULER package is not installed in this venv: run `make setup-ruler`")
-    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
     module_spec = importlib.util.spec_from_file_location(f"ruler_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
@@ -116,12 +127,13 @@ def scorer():
 
 
 def run(args) -> None:
+    import kvpress  # noqa: F401  (registers the "kv-press-text-generation" pipeline)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
-
-    import kvpress  # noqa: F401  (registers the "kv-press-text-generation" pipeline)
+    from transformers.utils import logging
 
     torch.set_num_threads(args.threads)
+    logging.disable_progress_bar()
     registry = presses()
     names = args.presses.split(",")
     for name in names:
@@ -133,7 +145,10 @@ def run(args) -> None:
     score = scorer()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    key = lambda r: (r["method"], round(float(r["budget"]), 6), r["task"], r["length"], r["seed"])  # noqa: E731
+
+    def key(r: dict) -> tuple:
+        return r["method"], round(float(r["budget"]), 6), r["task"], r["length"], r["seed"]
+
     done = {key(json.loads(line)) for line in out.read_text().splitlines() if line.strip()} if out.exists() else set()
 
     folder = cache_dir() / args.model
@@ -146,14 +161,15 @@ def run(args) -> None:
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
     with out.open("a") as f:
         for name in names:
-            for ratio in ratios:
+            for ratio in [0.0] if name == "no_press" else ratios:
                 for s in data:
                     row = {"method": f"kvpress:{name}", "budget": round(1 - ratio, 6), "task": s["task"],
                            "length": s["length"], "seed": s["index"]}
                     if key(row) in done:
                         continue
                     press = registry[name]()
-                    press.compression_ratio = ratio  # as kvpress's evaluate.py sets it
+                    if press is not None:
+                        press.compression_ratio = ratio  # as kvpress's evaluate.py sets it
                     start = time.perf_counter()
                     with torch.inference_mode():
                         prediction = pipe(s["context"], questions=[s["question"]], answer_prefix=s["answer_prefix"],

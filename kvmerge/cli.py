@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--suite", default=None, help="run a named suite (kvmerge suites) into <out>/<suite>/<model>/; "
                     "the other options then do not apply, except --models and --out")
     ev.add_argument("--models", type=_csv(str), default=None, help="with --suite: only these of its models")
-    ev.add_argument("--task", choices=["niah", "ruler", "fidelity", "code", "family"], default="niah")
+    ev.add_argument("--task", choices=["niah", "ruler", "fidelity", "code", "family", "ruler-real"], default="niah")
     ev.add_argument("--methods", type=_csv(str), default=["full", "streamingllm", "snapkv", "semanticache",
                                                            "centroidkv"])
     ev.add_argument("--budgets", type=_csv(float), default=[0.5, 0.25])

@@ -16,12 +16,13 @@ from tqdm import tqdm
 
 from kvmerge import method_from_spec, split_prompt
 from kvmerge.generate import cache_stats, decode
-from . import code, families, fidelity, niah, ruler
+from . import fidelity
 from .corpus import GENRES
 from .shared import compressed_once
+from .tasks import TASKS as TASK_TABLE
+from .tasks import get_task
 
-TASKS = ("niah", "ruler", "fidelity", "code", "family")
-MAX_NEW = {"niah": 24, "ruler": 48, "code": 32, "family": 32}
+TASKS = tuple(TASK_TABLE)
 
 
 def build_samples(task: str, tok, lengths, samples: int, text=None, subtasks=None) -> list:
@@ -29,32 +30,11 @@ def build_samples(task: str, tok, lengths, samples: int, text=None, subtasks=Non
     With a genre as `text` (corpus.GENRES) the rows' task is `<task>/<genre>`, apart from prose's."""
     if text in ("table", "code") and task != "fidelity":
         raise ValueError(f"the {text!r} genre has no sentences to hide facts among: use it with the fidelity task")
-    out = _samples(task, tok, lengths, samples, text, subtasks)
+    out = get_task(task).build(tok, lengths, samples, text, subtasks)
     if text in GENRES and task != "family":  # families name their genre themselves
         for s in out:
             s.meta["task"] = f"{s.meta.get('task', task)}/{text}"
     return out
-
-
-def _samples(task, tok, lengths, samples, text, subtasks) -> list:
-    if task == "niah":
-        depths = [0.1 + 0.8 * i / max(samples - 1, 1) for i in range(samples)]
-        return [niah.make_sample(tok, n, d, seed=1000 * n + i, text=text) for n in lengths for i, d in enumerate(depths)]
-    if task == "ruler":
-        names = subtasks or list(ruler.TASKS)
-        return [ruler.TASKS[t](tok, n, 1000 * n + i, text) for t in names for n in lengths for i in range(samples)]
-    if task == "family":  # `text` names the genre of the haystack (families.GENRES)
-        names = subtasks or list(families.TASKS)
-        unknown = [t for t in names if t not in families.TASKS]
-        if unknown:
-            raise ValueError(f"unknown family {unknown[0]!r}; families: {', '.join(families.TASKS)}")
-        return [families.TASKS[t](tok, n, 1000 * n + i, text or "docs") for t in names for n in lengths
-                for i in range(samples)]
-    if task == "fidelity":
-        return [fidelity.make_sample(tok, n, seed=1000 * n + i, text=text) for n in lengths for i in range(samples)]
-    if task == "code":
-        return [code.make_sample(tok, n, seed=1000 * n + i) for n in lengths for i in range(samples)]
-    raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
 
 
 def run_key(method, budget, meta) -> tuple:
@@ -90,9 +70,13 @@ def run(task, model, tok, methods, budgets, lengths, samples, out_dir, protocol=
     return write_summary(out, task)
 
 
-def prompt_ids(tok, sample) -> tuple[list[int], list[int]]:
-    """(context ids, question ids) of a sample. Without a chat template the question reads
-    "Question: …\nAnswer: <answer prefix>"; `raw` samples are plain continuations."""
+def prompt_ids(tok, sample, task: str | None = None) -> tuple[list[int], list[int]]:
+    """(context ids, question ids) of a sample: the task's own rule where it has one (`Task.prompt`),
+    else: without a chat template the question reads "Question: …\nAnswer: <answer prefix>"; `raw`
+    samples are plain continuations."""
+    own = get_task(task).prompt if task is not None else None
+    if own is not None:
+        return own(tok, sample)
     if sample.meta.get("raw"):
         ctx = tok(sample.context, add_special_tokens=False)["input_ids"]
         q = tok(sample.question, add_special_tokens=False)["input_ids"]
@@ -110,7 +94,7 @@ def _by_prompt(task, tok, todo, protocol) -> dict:
     context; the whole prompt under the aware protocol): one prefill per group, one compression per method."""
     groups: dict = defaultdict(list)
     for s, m, b in todo:
-        ctx, q = (s.context, []) if task == "fidelity" else prompt_ids(tok, s)
+        ctx, q = (s.context, []) if get_task(task).teacher_forced else prompt_ids(tok, s, task)
         if protocol == "aware":
             ctx, q = ctx + q, []
         groups[tuple(ctx)].append((s, m, b, q))
@@ -120,14 +104,15 @@ def _by_prompt(task, tok, todo, protocol) -> dict:
 def _run_prompt(task, model, tok, ctx, jobs, protocol, chunk=None):
     configs = list(dict.fromkeys((m, b) for _, m, b, _ in jobs))
     question = 0  # under the aware protocol the question stays inside the protected window
-    if protocol == "aware" and task != "fidelity":
-        question = len(prompt_ids(tok, jobs[0][0])[1])
+    kind = get_task(task)
+    if protocol == "aware" and not kind.teacher_forced:
+        question = len(prompt_ids(tok, jobs[0][0], task)[1])
     rows = []
     for spec, budget, session, logits in compressed_once(model, tok, [ctx], configs, question, chunk):
         base = {"method": f"{spec}@chunk{chunk}" if chunk else spec, "budget": budget,
                 "date": datetime.date.today().isoformat()}
         mine = [(s, q) for s, m, b, q in jobs if (m, b) == (spec, budget)]
-        if task == "fidelity":
+        if kind.teacher_forced:
             for s, _ in mine:
                 logp = fidelity.teacher_forced(session, logits, s.answer)
                 rows.append({**base, **s.meta, **fidelity.compare(_reference(model, s), logp, s.answer)})
@@ -137,11 +122,10 @@ def _run_prompt(task, model, tok, ctx, jobs, protocol, chunk=None):
         for s, q in mine:
             session.restore(compressed)
             first = session.forward([q], decoding=False) if q else logits
-            out = decode(session, first, dict(stats), MAX_NEW[task], tok.eos_token_id)
+            out = decode(session, first, dict(stats), kind.max_new_tokens(s), tok.eos_token_id)
             text = tok.decode(out.tokens[0], skip_special_tokens=True)
             text = text if s.meta.get("raw") else text.strip()
-            score = {"niah": niah.score, "ruler": ruler.score, "code": code.score, "family": families.score}[task]
-            rows.append({**base, **s.meta, "answer": s.answer, "prediction": text, "score": score(text, s.answer),
+            rows.append({**base, **s.meta, "answer": s.answer, "prediction": text, "score": kind.score(text, s),
                          **{k: stats[k] for k in ("cache_bytes", "full_cache_bytes", "compress_seconds",
                                                   "prefill_seconds")}})
     return rows
@@ -163,7 +147,7 @@ def _read(path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-METRICS = {"fidelity": ("kl", "ppl_ratio", "top1")}
+METRICS = {name: t.metrics for name, t in TASK_TABLE.items() if t.metrics != ("score",)}
 
 
 def summarize(rows: list[dict]) -> list[dict]:

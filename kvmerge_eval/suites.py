@@ -142,9 +142,10 @@ def run_suite(suite: Suite, models=None, root="results", load_model=None) -> Non
 
 def columns(run: Run) -> list[tuple]:
     """(column name, task name in the rows, length, budget) of one run: subtask × length × budget."""
-    from . import families, ruler
+    from .tasks import get_task
 
-    tasks = run.subtasks or {"ruler": list(ruler.TASKS), "family": list(families.TASKS)}.get(run.task, [run.task])
+    own = get_task(run.task).subtasks
+    tasks = run.subtasks or (own() if own is not None else [run.task])
     if run.task == "family":  # rows name the haystack's genre: <family>/<genre>
         tasks = [f"{t}/{run.text or 'docs'}" for t in tasks]
     elif run.text in GENRES:
