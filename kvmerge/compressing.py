@@ -7,18 +7,24 @@
 
 Inside the block the model runs kvmerge's attention, and a forward that starts on an empty
 non-kvmerge cache (what `generate` creates) gets a fresh compressed session instead; decode
-policies run on every one-token step. The model is as before once the block ends.
+policies run on every one-token step. A cache from `kv.prefill` answers many questions: each
+`model.generate(..., cache=cache)` inside the block starts from the compressed context again (what
+the previous call appended is dropped), so its input must start with that context. The model is as
+before once the block ends.
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import ExitStack, contextmanager
 
 import torch
 
 from .attention import kvmerge_attention
 from .cache import MergedCache
+from .errors import ContextTooLongError, InputError, ParameterTypeError, check_params, refusing
 from .methods import Method, get_method
+from .model import max_positions
 from .session import Session
 
 
@@ -31,20 +37,58 @@ class Compressor:
         self._fed: set[int] = set()  # caches that have seen a forward under generate
         self._pending = None  # (session, input ids) of a question-aware prefill in flight
         self._stack: ExitStack | None = None
+        self._contexts: dict[int, tuple] = {}  # id(cache) of kv.prefill → (its rows, a snapshot after compression)
 
     @torch.no_grad()
     def prefill(self, context_ids) -> MergedCache:
         """Prefill and compress `context_ids` (one row or equal-length rows); pass the cache to
-        `model.generate(input_ids=context + question, cache=...)`."""
-        rows = context_ids.tolist() if isinstance(context_ids, torch.Tensor) else context_ids
-        rows = [list(r) for r in rows] if rows and isinstance(rows[0], (list, tuple)) else [list(rows)]
-        if len({len(r) for r in rows}) != 1 or not rows[0]:
-            raise ValueError("kv.prefill takes non-empty rows of one length: model.generate cannot run a padded "
-                             "batch on a kvmerge cache (use kvmerge.generate for rows of different lengths)")
-        session = Session(self.model, len(rows), self.method, self.tokenizer)
+        `model.generate(input_ids=context + question, cache=...)`, once per question: every such call
+        starts from this compressed context (the cache keeps a copy of it, restored per call)."""
+        with refusing():
+            if isinstance(context_ids, str):
+                raise ParameterTypeError("kv.prefill takes token ids, not text: kvmerge.split_prompt(tok, context, "
+                                         "question) gives (context_ids, question_ids)")
+            rows = context_ids.tolist() if isinstance(context_ids, torch.Tensor) else context_ids
+            rows = [list(r) for r in rows] if rows and isinstance(rows[0], (list, tuple)) else [list(rows)]
+            if len({len(r) for r in rows}) != 1 or not rows[0]:
+                raise InputError("kv.prefill takes non-empty rows of one length: model.generate cannot run a padded "
+                                 "batch on a kvmerge cache (use kvmerge.generate for rows of different lengths)")
+            _check_length(self.model, len(rows[0]))
+            self.method.target(len(rows[0]))
+            session = Session(self.model, len(rows), self.method, self.tokenizer)
         session.prefill(rows)
         self._sessions[id(session.cache)] = session
+        self._contexts[id(session.cache)] = (rows, session.snapshot())
         return session.cache
+
+    def rewind(self, cache: MergedCache, input_ids=None) -> None:
+        """Put a cache from `prefill` back to its compressed context (what later forwards appended is
+        dropped), checking that `input_ids` `(batch, n)`, if given, start with that context and go on."""
+        rows, snapshot = self._contexts[id(cache)]
+        if input_ids is not None:
+            ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else [list(r) for r in input_ids]
+            n = len(rows[0])
+            if len(ids) != len(rows) or any(r[:n] != c for r, c in zip(ids, rows)):
+                raise InputError(f"model.generate's input_ids must start with the {len(rows)} x {n} context ids given "
+                                 "to kv.prefill (the cache holds that context, compressed): pass context_ids + "
+                                 "question_ids")
+            if any(len(r) <= n for r in ids):
+                raise InputError("model.generate's input_ids hold only the context given to kv.prefill: append the "
+                                 "question's ids (context_ids + question_ids)")
+        self._sessions[id(cache)].restore(snapshot)
+        self._fed.discard(id(cache))
+
+    def wrap_generate(self, generate):
+        """`model.generate` that rewinds a cache from `prefill` before transformers reads its length."""
+        @functools.wraps(generate)
+        def run(*args, **kwargs):
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if isinstance(cache, MergedCache) and id(cache) in self._contexts:
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                with refusing():
+                    self.rewind(cache, ids)
+            return generate(*args, **kwargs)
+        return run
 
     def before_forward(self, _module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -55,7 +99,7 @@ class Compressor:
             rows = len(session.seen)
             if ids is not None and ids.shape[0] != rows and id(cache) not in self._fed:
                 if ids.shape[0] % rows:  # generate expanded the prompt (num_return_sequences, beams)
-                    raise ValueError(f"model.generate runs {ids.shape[0]} rows on a cache of {rows} from kv.prefill")
+                    raise InputError(f"model.generate runs {ids.shape[0]} rows on a cache of {rows} from kv.prefill")
                 session.repeat_rows(ids.shape[0] // rows)
             decoding = id(cache) in self._fed  # the first forward feeds the question
             self._fed.add(id(cache))
@@ -63,7 +107,8 @@ class Compressor:
             self._stack.enter_context(session.observing(decoding=decoding))
         elif not isinstance(cache, MergedCache) and (cache is None or cache.get_seq_length() == 0):
             if ids is None:
-                raise ValueError("kvmerge compresses prompts given as input_ids, not inputs_embeds")
+                raise InputError("kvmerge compresses prompts given as input_ids, not inputs_embeds")
+            _check_length(self.model, ids.shape[1])
             session = Session(self.model, ids.shape[0], self.method, self.tokenizer)
             self._sessions[id(session.cache)] = session
             self._fed.add(id(session.cache))
@@ -93,16 +138,33 @@ def compressing(model, method: Method | str, tokenizer=None, **params):
     """Compress the caches of `model.generate` (and plain forwards) inside the block; yields the
     `Compressor` (its `prefill` compresses a context for the question-agnostic recipe). `method` is a
     `Method` or a name with `params` (`compressing(model, "snapkv", budget=0.25)`)."""
-    if isinstance(method, str):
-        method = get_method(method, **params)
-    elif params:
-        raise TypeError("parameters go with a method name, not with a Method object")
+    with refusing():
+        if isinstance(method, str):
+            method = get_method(method, **params)
+        elif params:
+            raise ParameterTypeError("parameters go with a method name, not with a Method object")
+        if not isinstance(method, Method):
+            raise ParameterTypeError(f"method must be a name or a kvmerge Method, got {type(method).__name__}")
+        check_params(method)
     compressor = Compressor(model, method, tokenizer)
+    own = vars(model).get("generate")  # an instance attribute set before, if any
     with kvmerge_attention(model):
         pre = model.register_forward_pre_hook(compressor.before_forward, with_kwargs=True)
         post = model.register_forward_hook(compressor.after_forward, with_kwargs=True, always_call=True)
+        model.generate = compressor.wrap_generate(model.generate)
         try:
             yield compressor
         finally:
             pre.remove()
             post.remove()
+            if own is None:
+                del model.generate
+            else:
+                model.generate = own
+
+
+def _check_length(model, n: int) -> None:
+    limit = max_positions(model)
+    if limit and n > limit:
+        raise ContextTooLongError(f"the prompt is {n:,} tokens, over the model's {limit:,} positions "
+                                  f"(max_position_embeddings): shorten it to at most {limit:,} tokens")

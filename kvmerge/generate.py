@@ -14,19 +14,71 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import stock_cache_bytes
+from .errors import ContextTooLongError, InputError, ParameterTypeError, check_params, refusing
 from .methods import Method, get_method
+from .model import max_positions
+from .progress import bars_for, watching
 from .session import Session
 
 PROTOCOLS = ("agnostic", "aware")
+MiB = 2 ** 20
+END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")  # chat templates' end-of-turn tokens
+
+
+class Stats(dict):
+    """A request's statistics: a dict (`stats["cache_bytes"]`, as before) whose `str` is one line
+    (method, budget, context tokens, entries, MiB against the full cache, seconds per phase).
+
+    Keys: `method`, `budget`, `protocol`, `context_tokens` (an int for one prompt, else one per row),
+    `cache_entries` (one per layer: the most any row holds), `cache_bytes` and `full_cache_bytes`
+    (the whole cache against what transformers' own would hold), `compressed_layers_bytes` and
+    `compressed_layers_full_bytes` (the layers the budget applies to), `prefill_seconds`,
+    `compress_seconds`, `decode_seconds`, `new_tokens` (one per row), `final_cache_bytes`, and what the
+    method reports of itself."""
+
+    @property
+    def layers(self) -> list[int]:
+        """Entries per layer (`cache_entries`)."""
+        return list(self.get("cache_entries", []))
+
+    @property
+    def ratio(self) -> float | None:
+        """The cache's bytes against the full cache's."""
+        return self["cache_bytes"] / self["full_cache_bytes"] if self.get("full_cache_bytes") else None
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Seconds per phase (prefill, compress, decode), rounded to 0.01."""
+        return {k.removesuffix("_seconds"): round(v, 2) for k, v in self.items()
+                if k.endswith("_seconds") and isinstance(v, (int, float))}
+
+    def summary(self) -> str:
+        tokens = self.get("context_tokens")
+        tokens = f"{tokens:,}" if isinstance(tokens, int) else "/".join(f"{t:,}" for t in tokens or [])
+        entries = sorted(set(self.layers))
+        kept = (f"{entries[0]:,}" if len(entries) == 1 else f"{entries[0]:,}–{entries[-1]:,}") if entries else "?"
+        parts = [f"{self.get('method', '?')} at budget {self.get('budget')}", f"{tokens} context tokens",
+                 f"{kept} entries per layer"]
+        if self.ratio is not None:
+            parts.append(f"cache {self['cache_bytes'] / MiB:.2f} MiB of {self['full_cache_bytes'] / MiB:.2f} MiB "
+                         f"({self.ratio:.1%})")
+        parts.append(", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()))
+        return "; ".join(p for p in parts if p)
+
+    __str__ = summary
+
+    def __repr__(self) -> str:
+        return f"Stats({self.summary()}; dict keys: {', '.join(self)})"
 
 
 @dataclass
 class GenerationOutput:
-    """Generated token ids per row, their text (str for a single prompt), and run statistics."""
+    """Generated token ids per row, their text (str for a single prompt), and run statistics
+    (`Stats`: a dict with a one-line `str`)."""
 
     tokens: list[list[int]]
     text: str | list[str] = ""
-    stats: dict = field(default_factory=dict)
+    stats: Stats = field(default_factory=Stats)
 
 
 @dataclass
@@ -41,7 +93,8 @@ class Sampling:
 
     def __post_init__(self):
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got {self}")
+            raise InputError(f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got temperature="
+                             f"{self.temperature}, top_k={self.top_k}, top_p={self.top_p}")
 
     def chooser(self):
         """A function logits `(batch, vocab)` → next token ids `(batch,)`."""
@@ -64,68 +117,134 @@ class Sampling:
 
 @torch.inference_mode()
 def generate_ids(model, context_ids, question_ids, method: Method | None = None, max_new_tokens: int = 32,
-                 protocol: str = "agnostic", eos_token_id: int | None = None, tokenizer=None,
+                 protocol: str = "agnostic", eos_token_id=None, tokenizer=None,
                  sampling: Sampling | None = None, streamer=None, stop=None,
-                 prefill_chunk: int | None = None) -> GenerationOutput:
+                 prefill_chunk: int | None = None, progress=None) -> GenerationOutput:
     """Generation from token ids (one row, or a list of rows run as one padded batch); greedy unless
     `sampling` says otherwise. `streamer` (a transformers streamer: `put`, `end`) receives each new
-    token of a single row; `stop(row_tokens) -> bool` ends a row early. `prefill_chunk`: prefill and
-    compress that many tokens at a time (bounded memory; see `Session.prefill`)."""
-    method = method or get_method("full")
-    contexts, questions, window = _validate(model, context_ids, question_ids, protocol, max_new_tokens, method)
-    if streamer is not None and len(contexts) > 1:
-        raise ValueError("a streamer takes a single row")
-    session = Session(model, len(contexts), method, tokenizer)
-    logits = session.prefill(contexts, window, prefill_chunk)
-    session.reserve(max(len(q) for q in questions) + max_new_tokens)
-    stats = cache_stats(session, contexts, protocol)
-    if protocol == "agnostic":
-        logits = session.forward(questions, decoding=False)
-    return decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop)
+    token of a single row; `stop(row_tokens) -> bool` ends a row early; `eos_token_id`: an id or ids
+    that end a row. `prefill_chunk`: prefill and compress that many tokens at a time (bounded memory;
+    see `Session.prefill`). `progress`: None (quiet), True (bars on stderr for steps over 2 s) or
+    `progress(phase, done, total)`. Every check runs before the first forward pass."""
+    with refusing():
+        method = method or get_method("full")
+        contexts, questions, window = _validate(model, context_ids, question_ids, protocol, max_new_tokens, method,
+                                                prefill_chunk)
+        if streamer is not None and len(contexts) > 1:
+            raise InputError("a streamer takes a single row")
+        session = Session(model, len(contexts), method, tokenizer)
+    report = bars_for(progress)
+    try:
+        with watching(session, report, max(map(len, contexts))):
+            logits = session.prefill(contexts, window, prefill_chunk)
+        session.reserve(max(len(q) for q in questions) + max_new_tokens)
+        stats = cache_stats(session, contexts, protocol)
+        if protocol == "agnostic":
+            logits = session.forward(questions, decoding=False)
+        return decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop, report)
+    finally:
+        getattr(report, "close", lambda: None)()
+
+
+def answer_questions(model, tokenizer, context, questions, method: Method | str | None = None,
+                     max_new_tokens: int = 32, chat_template: bool = True, eos_token_id=None,
+                     progress=None) -> list[GenerationOutput]:
+    """Several questions (a list of str) about one `context` (a str), question-agnostic: the context
+    is prefilled and compressed once, and each question decodes from that same compressed cache,
+    as `generate` would answer it alone (chat template applied; each answer stops at the end of its
+    turn). One `GenerationOutput` per question, `.text` set.
+
+    The older form `answer_questions(model, context_ids, question_ids, method)` (token ids, no text)
+    still works: see `answer_questions_ids`."""
+    if _is_ids(tokenizer):  # answer_questions(model, context_ids, question_ids, method, ...)
+        if method is not None:
+            raise ParameterTypeError("answer_questions(model, context_ids, question_ids, method, ...) takes no fifth "
+                                     "positional argument: pass max_new_tokens=... by name")
+        return answer_questions_ids(model, tokenizer, context, questions, max_new_tokens, eos_token_id,
+                                    progress=progress)
+    with refusing():
+        if isinstance(questions, str):
+            questions = [questions]
+        if not isinstance(context, str) or not all(isinstance(q, str) for q in questions):
+            raise ParameterTypeError("answer_questions(model, tokenizer, context, questions, method) takes a context "
+                                     f"str and a list of question strs, got {type(context).__name__} and "
+                                     f"{', '.join(sorted({type(q).__name__ for q in questions}))} "
+                                     "(for token ids: kvmerge.answer_questions_ids)")
+        if not questions:
+            raise InputError("no questions to answer")
+        method = get_method(method) if isinstance(method, str) else method
+        pairs = [split_prompt(tokenizer, context, q, chat_template) for q in questions]
+        shared = _common_prefix([c for c, _ in pairs])
+        question_rows = [(c + q)[len(shared):] for c, q in pairs]
+    ends = end_ids(tokenizer, chat_template) if eos_token_id is None else eos_token_id
+    outs = answer_questions_ids(model, shared, question_rows, method, max_new_tokens, ends, tokenizer, progress)
+    for out in outs:
+        out.text = tokenizer.decode(out.tokens[0], skip_special_tokens=True).strip()
+    return outs
 
 
 @torch.inference_mode()
-def answer_questions(model, context_ids: list[int], questions: list[list[int]], method: Method,
-                     max_new_tokens: int = 32, eos_token_id: int | None = None, tokenizer=None):
-    """Several questions about one context (question-agnostic): the context is prefilled and
-    compressed once, and each question decodes from that same compressed cache."""
-    for q in questions:
-        _validate(model, [context_ids], [q], "agnostic", max_new_tokens, method)
-    session = Session(model, 1, method, tokenizer)
-    session.prefill([list(context_ids)])
-    session.reserve(max(len(q) for q in questions) + max_new_tokens)
-    stats = cache_stats(session, [context_ids], "agnostic")
-    snapshot = session.snapshot()
-    outs = []
-    for q in questions:
-        session.restore(snapshot)
-        logits = session.forward([list(q)], decoding=False)
-        outs.append(decode(session, logits, dict(stats), max_new_tokens, eos_token_id))
-    return outs
+def answer_questions_ids(model, context_ids: list[int], questions: list[list[int]], method: Method | None = None,
+                         max_new_tokens: int = 32, eos_token_id=None, tokenizer=None,
+                         progress=None) -> list[GenerationOutput]:
+    """`answer_questions` from token ids: one context row, one row of ids per question; `.text` is
+    decoded when `tokenizer` is given."""
+    with refusing():
+        method = method or get_method("full")
+        if not isinstance(questions, (list, tuple)) or not questions:
+            raise InputError("questions must be a non-empty list of token-id rows")
+        for q in questions:
+            _validate(model, [context_ids], [q], "agnostic", max_new_tokens, method)
+        session = Session(model, 1, method, tokenizer)
+    report = bars_for(progress)
+    try:
+        with watching(session, report, len(context_ids)):
+            session.prefill([list(context_ids)])
+        session.reserve(max(len(q) for q in questions) + max_new_tokens)
+        stats = cache_stats(session, [context_ids], "agnostic")
+        stats["context_tokens"] = stats["context_tokens"][0]
+        snapshot = session.snapshot()
+        outs = []
+        for q in questions:
+            session.restore(snapshot)
+            logits = session.forward([list(q)], decoding=False)
+            out = decode(session, logits, dict(stats), max_new_tokens, eos_token_id, progress=report)
+            if tokenizer is not None and hasattr(tokenizer, "decode"):
+                out.text = tokenizer.decode(out.tokens[0], skip_special_tokens=True).strip()
+            outs.append(out)
+        return outs
+    finally:
+        getattr(report, "close", lambda: None)()
 
 
 def generate(model, tokenizer, context, question, method: Method | str | None = None, max_new_tokens: int = 32,
              protocol: str = "agnostic", chat_template: bool = True, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
-             streamer=None, prefill_chunk: int | None = None) -> GenerationOutput:
+             streamer=None, prefill_chunk: int | None = None, progress=None) -> GenerationOutput:
     """Answer `question` about `context` (strings, or equal-length lists run as one batch). Greedy by
-    default; `temperature` > 0 samples (with `top_k`, `top_p`, `seed`). Each row stops at the end token
-    or after the first of the `stop` strings (cut from the text); `streamer` gets a single row's tokens
-    as they come (e.g. `transformers.TextStreamer(tokenizer)`); `prefill_chunk`: see `generate_ids`."""
-    single = isinstance(context, str)
-    contexts = [context] if single else list(context)
-    questions = [question] if isinstance(question, str) else list(question)
-    if len(contexts) != len(questions):
-        raise ValueError(f"{len(contexts)} contexts but {len(questions)} questions")
-    if isinstance(method, str):
-        method = get_method(method)
-    pairs = [split_prompt(tokenizer, c, q, chat_template) for c, q in zip(contexts, questions)]
+    default; `temperature` > 0 samples (with `top_k`, `top_p`, `seed`). Each row stops at the end of
+    its turn (the tokenizer's eos and, with a chat template, its end-of-turn token) or after the first
+    of the `stop` strings (cut from the text); `streamer` gets a single row's tokens as they come (e.g.
+    `transformers.TextStreamer(tokenizer)`); `prefill_chunk`, `progress`: see `generate_ids`."""
+    with refusing():
+        single = isinstance(context, str)
+        if isinstance(context, torch.Tensor) or (not single and context and not isinstance(context[0], str)):
+            raise ParameterTypeError("generate takes text (a str, or a list of str); token ids go to generate_ids")
+        contexts = [context] if single else list(context)
+        questions = [question] if isinstance(question, str) else list(question)
+        if len(contexts) != len(questions):
+            raise InputError(f"{len(contexts)} contexts but {len(questions)} questions")
+        if isinstance(method, str):
+            method = get_method(method)
+        sampling = Sampling(temperature, top_k, top_p, seed)
+        if isinstance(stop, str):
+            stop = [stop]
+        pairs = [split_prompt(tokenizer, c, q, chat_template) for c, q in zip(contexts, questions)]
     stop = [x for x in (stop or []) if x]
     stopped = (lambda row: any(x in tokenizer.decode(row, skip_special_tokens=True) for x in stop)) if stop else None
     out = generate_ids(model, [p[0] for p in pairs], [p[1] for p in pairs], method, max_new_tokens, protocol,
-                       eos_token_id=tokenizer.eos_token_id, tokenizer=tokenizer,
-                       sampling=Sampling(temperature, top_k, top_p, seed), streamer=streamer, stop=stopped,
-                       prefill_chunk=prefill_chunk)
+                       eos_token_id=end_ids(tokenizer, chat_template), tokenizer=tokenizer, sampling=sampling,
+                       streamer=streamer, stop=stopped, prefill_chunk=prefill_chunk, progress=progress)
     texts = [_cut(tokenizer.decode(t, skip_special_tokens=True), stop).strip() for t in out.tokens]
     out.text = texts[0] if single else texts
     if single:
@@ -133,10 +252,26 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
     return out
 
 
+def end_ids(tokenizer, chat_template: bool = True) -> list[int]:
+    """The ids that end an answer: the tokenizer's eos and, when its chat template is used, the
+    template's end-of-turn token (`<|im_end|>`, `<end_of_turn>`, ...) where the vocabulary has one."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        vocab = tokenizer.get_vocab()
+        ids += [vocab[t] for t in END_OF_TURN if t in vocab]
+    return list(dict.fromkeys(ids))
+
+
 def split_prompt(tokenizer, context: str, question: str, chat_template: bool = True):
     """Tokenize the whole prompt once; split it at the context/question boundary by char offsets."""
-    if not isinstance(context, str) or not context.strip():
-        raise ValueError("empty context: nothing to compress")
+    if not isinstance(context, str) or not isinstance(question, str):
+        raise ParameterTypeError(f"context and question must be strings, got {type(context).__name__} and "
+                                 f"{type(question).__name__} (token ids go to generate_ids)")
+    if not context.strip():
+        raise InputError("empty context: nothing to compress")
+    if tokenizer is None:
+        raise InputError("text needs a tokenizer: pass the one load_model returned")
     user = f"{context}\n\n{question}"
     if chat_template and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
@@ -155,37 +290,68 @@ def split_prompt(tokenizer, context: str, question: str, chat_template: bool = T
 def _as_rows(x, what: str) -> list[list[int]]:
     if isinstance(x, torch.Tensor):
         x = x.tolist() if x.dim() == 2 else [x.tolist()]
-    if not isinstance(x, (list, tuple)):
-        raise TypeError(f"{what} must be a list of token ids or a list of such lists")
+    if isinstance(x, str) or not isinstance(x, (list, tuple)):
+        raise ParameterTypeError(f"{what} must be a list of token ids or a list of such lists, got "
+                                 f"{type(x).__name__} (text goes to kvmerge.generate / answer_questions)")
     if not x:
         return [[]]
     return [list(r) for r in x] if isinstance(x[0], (list, tuple)) else [list(x)]
 
 
-def _validate(model, context_ids, question_ids, protocol, max_new_tokens, method):
-    """Checked rows → (contexts, questions, protected window); raises a clear error on bad input."""
+def _is_ids(x) -> bool:
+    return isinstance(x, torch.Tensor) or (isinstance(x, (list, tuple)) and (not x or not isinstance(x[0], str)))
+
+
+def _common_prefix(rows: list[list[int]]) -> list[int]:
+    n = min(map(len, rows))
+    for i in range(n):
+        if any(r[i] != rows[0][i] for r in rows):
+            return rows[0][:i]
+    return rows[0][:n]
+
+
+def _validate(model, context_ids, question_ids, protocol, max_new_tokens, method, prefill_chunk=None):
+    """Checked rows → (contexts, questions, protected window); raises a `KVMergeError` on bad input,
+    all before any forward pass: types, vocabulary, the method's parameters, the model's positions,
+    the budget against the context, and what a chunked prefill refuses."""
+    from .capabilities import refusals
+
     if not isinstance(method, Method):
-        raise TypeError(f"method must be a kvmerge Method (see kvmerge.get_method), got {type(method).__name__}")
+        raise ParameterTypeError(f"method must be a kvmerge Method (see kvmerge.get_method), got "
+                                 f"{type(method).__name__}")
+    check_params(method)
     if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        raise InputError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     contexts, questions = _as_rows(context_ids, "context_ids"), _as_rows(question_ids, "question_ids")
     if len(contexts) != len(questions):
-        raise ValueError(f"{len(contexts)} contexts but {len(questions)} questions")
+        raise InputError(f"{len(contexts)} contexts but {len(questions)} questions")
     if any(len(c) == 0 for c in contexts):
-        raise ValueError("empty context: nothing to compress")
+        raise InputError("empty context: nothing to compress")
     vocab = model.config.get_text_config(decoder=True).vocab_size
     bad = [t for r in contexts + questions for t in r if not (isinstance(t, int) and 0 <= t < vocab)]
     if bad:
-        raise ValueError(f"token id {bad[0]!r} is outside the model's vocabulary [0, {vocab})")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        raise InputError(f"token id {bad[0]!r} is outside the model's vocabulary [0, {vocab})")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+    limit = max_positions(model)
+    longest = max(len(c) + len(q) for c, q in zip(contexts, questions))
+    if limit and longest + max_new_tokens > limit:
+        raise ContextTooLongError(f"the prompt is {longest:,} tokens and up to {max_new_tokens} more are generated, "
+                                  f"over the model's {limit:,} positions (max_position_embeddings): shorten the "
+                                  f"context to at most {limit - max_new_tokens - (longest - max(map(len, contexts))):,}"
+                                  " tokens or lower max_new_tokens")
+    if prefill_chunk is not None:
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise InputError(f"prefill chunk must be a positive number of tokens, got {prefill_chunk!r}")
+        if prefill_chunk < max(map(len, contexts)) and refusals(method, "chunked"):
+            raise InputError(refusals(method, "chunked")[0])
     if protocol == "aware":
         window = max([method.window] + [len(q) for q in questions])
         contexts, questions = [c + q for c, q in zip(contexts, questions)], [[] for _ in questions]
     else:
         window = method.window
         if any(len(q) == 0 for q in questions):
-            raise ValueError("empty question: the agnostic protocol needs question tokens to decode from")
+            raise InputError("empty question: the agnostic protocol needs question tokens to decode from")
     for c in contexts:
         method.target(len(c), window)  # raises early on a budget the context cannot meet
     return contexts, questions, window
@@ -215,10 +381,13 @@ def _cut(text: str, stop: list[str]) -> str:
 
 
 def decode(session, logits, stats, max_new_tokens, eos_token_id=None, sampling=None, streamer=None,
-           stop=None) -> GenerationOutput:
-    """Generate from `logits` `(batch, vocab)` on the session's cache until each row ends."""
+           stop=None, progress=None) -> GenerationOutput:
+    """Generate from `logits` `(batch, vocab)` on the session's cache until each row ends (an id of
+    `eos_token_id`, an int or ids, or `stop(row)`); `progress(phase, done, total)` per token."""
     t0 = time.perf_counter()
     choose = (sampling or Sampling()).chooser()
+    ends = torch.tensor([] if eos_token_id is None else
+                        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), dtype=torch.long)
     done = torch.zeros(logits.shape[0], dtype=torch.bool)
     tokens: list[list[int]] = [[] for _ in range(logits.shape[0])]
     for step in range(max_new_tokens):
@@ -229,8 +398,9 @@ def decode(session, logits, stats, max_new_tokens, eos_token_id=None, sampling=N
                 done[b] |= stop is not None and stop(tokens[b])
         if streamer is not None:
             streamer.put(nxt)
-        if eos_token_id is not None:
-            done |= nxt == eos_token_id
+        if progress is not None:
+            progress("decode", step + 1, max_new_tokens)
+        done |= torch.isin(nxt, ends)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
         logits = session.forward([[int(t)] for t in nxt])
@@ -238,4 +408,4 @@ def decode(session, logits, stats, max_new_tokens, eos_token_id=None, sampling=N
         streamer.end()
     stats.update(decode_seconds=time.perf_counter() - t0, new_tokens=[len(t) for t in tokens],
                  final_cache_bytes=session.cache.nbytes, **session.method.stats)
-    return GenerationOutput(tokens=tokens, stats=stats)
+    return GenerationOutput(tokens=tokens, stats=Stats(stats))

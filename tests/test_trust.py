@@ -1,0 +1,142 @@
+"""The Python API refuses bad input before any forward pass, with `KVMergeError`s; a compressed cache
+answers many questions correctly; stats read as one line; progress is reported only when asked."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvmerge
+from kvmerge.errors import (ContextTooLongError, InputError, KVMergeError, ParameterTypeError, check_params,
+                            suggest)
+
+from .conftest import random_ids, tiny_model
+
+
+@pytest.fixture
+def no_forward():
+    """A tiny model whose forward fails the test: a refusal must come before any forward pass."""
+    model = tiny_model()
+
+    def refuse(*_):
+        raise AssertionError("a forward pass ran before the refusal")
+
+    model.register_forward_pre_hook(refuse)
+    return model
+
+
+@pytest.mark.parametrize("name, params", [("snapkv", dict(budget=0.25, window=8)),
+                                          ("centroidkv", dict(budget=0.25, window=8, interval=4))])
+def test_a_compressed_cache_answers_a_second_question_as_a_fresh_compression(name, params):
+    model = tiny_model()
+    ctx, q1, q2 = random_ids(160, seed=1), random_ids(6, seed=2), random_ids(9, seed=3)
+    with kvmerge.compressing(model, name, **params) as kv:
+        cache = kv.prefill(ctx)
+        first = model.generate(torch.tensor([ctx + q1]), cache=cache, max_new_tokens=10, do_sample=False)
+        second = model.generate(torch.tensor([ctx + q2]), cache=cache, max_new_tokens=10, do_sample=False)
+        again = model.generate(torch.tensor([ctx + q1]), cache=cache, max_new_tokens=10, do_sample=False)
+    for q, got in ((q1, first), (q2, second), (q1, again)):
+        want = kvmerge.generate_ids(model, ctx, q, kvmerge.get_method(name, **params), max_new_tokens=10).tokens[0]
+        assert got[0, len(ctx + q):].tolist() == want
+    assert "generate" not in vars(model)  # model.generate is the class's again
+
+
+def test_a_reused_cache_needs_its_context_first():
+    model = tiny_model()
+    ctx = random_ids(120, seed=1)
+    with kvmerge.compressing(model, "streamingllm", budget=0.25, window=8) as kv:
+        cache = kv.prefill(ctx)
+        with pytest.raises(InputError, match="must start with"):
+            model.generate(torch.tensor([random_ids(130, seed=9)]), cache=cache, max_new_tokens=2)
+        with pytest.raises(InputError, match="only the context"):
+            model.generate(torch.tensor([ctx]), cache=cache, max_new_tokens=2)
+        with pytest.raises(ParameterTypeError, match="not text"):
+            kv.prefill("some text")
+
+
+def test_contexts_beyond_the_model_positions_are_refused_with_both_numbers(no_forward):
+    ctx = random_ids(4100)
+    with pytest.raises(ContextTooLongError, match=r"4,10\d tokens .* 4,096 positions"):
+        kvmerge.generate_ids(no_forward, ctx, [3, 4], kvmerge.get_method("snapkv", budget=0.25))
+    with pytest.raises(ContextTooLongError, match="4,096 positions"):
+        kvmerge.generate_ids(no_forward, ctx[:4090], [3, 4], max_new_tokens=32)  # no room to answer
+    with kvmerge.compressing(no_forward, "snapkv", budget=0.25) as kv:
+        with pytest.raises(ContextTooLongError, match="4,100 tokens"):
+            kv.prefill(ctx)
+
+
+def test_parameter_types_and_runtime_refusals_come_before_any_forward(no_forward):
+    ctx = random_ids(300)
+    bad = kvmerge.method_from_spec("snapkv:kernel=five", 0.25)
+    with pytest.raises(ParameterTypeError, match="kernel must be a whole number .*'five'") as e:
+        kvmerge.generate_ids(no_forward, ctx, [3], bad)
+    assert isinstance(e.value, TypeError) and isinstance(e.value, KVMergeError)
+    with pytest.raises(ParameterTypeError, match="kernel"):
+        with kvmerge.compressing(no_forward, bad):
+            pass
+    with pytest.raises(InputError, match="one-shot"):
+        kvmerge.generate_ids(no_forward, ctx, [3], kvmerge.get_method("zipguardmerge", budget=0.25),
+                             prefill_chunk=128)
+    with pytest.raises(InputError, match="prefill chunk"):
+        kvmerge.generate_ids(no_forward, ctx, [3], prefill_chunk=0)
+    with pytest.raises(InputError, match="max_new_tokens"):
+        kvmerge.generate_ids(no_forward, ctx, [3], max_new_tokens=-1)
+    with pytest.raises(ValueError, match="budget"):  # still a ValueError: existing handlers keep working
+        kvmerge.generate_ids(no_forward, ctx[:20], [3], kvmerge.get_method("snapkv", budget=0.25))
+
+
+def test_param_checks_follow_the_declarations():
+    check_params(kvmerge.method_from_spec("snapkv:kernel=5:floor=0", 0.25))  # an int where a float goes is fine
+    check_params(kvmerge.get_method("zipguardmerge", budget=0.25))
+    with pytest.raises(ParameterTypeError, match="true or false"):
+        check_params(kvmerge.method_from_spec("h2o:decode=1", 0.25))
+    with pytest.raises(ParameterTypeError, match=r"base.*obs_window|obs_window"):
+        check_params(kvmerge.method_from_spec('evictmerge:base={"name":"snapkv","obs_window":"x"}', 0.25))
+    assert suggest("snapvk", ["snapkv", "h2o"]) == " (did you mean snapkv?)"
+    assert suggest("zzz", ["snapkv"]) == ""
+
+
+def test_stats_read_as_one_line_and_as_a_dict(llama):
+    out = kvmerge.generate_ids(llama, random_ids(200), [3, 4], kvmerge.get_method("snapkv", budget=0.25, window=8),
+                               max_new_tokens=3)
+    st = out.stats
+    assert isinstance(st, dict) and st["cache_bytes"] < st["full_cache_bytes"] and st.get("method") == "snapkv"
+    line = str(st)
+    assert "\n" not in line and "snapkv at budget 0.25" in line and "MiB" in line and "(25.0%)" in line
+    assert "prefill" in line and "decode" in line and st.layers == st["cache_entries"] == [50, 50]
+    assert set(st.seconds) == {"prefill", "compress", "decode"}
+    assert all(v == round(v, 2) for v in st.seconds.values())
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_progress_is_reported_when_asked_and_only_then(llama, capsys, chunk):
+    events = []
+    ctx = random_ids(200)
+    m = kvmerge.get_method("snapkv", budget=0.25, window=8)
+    kvmerge.generate_ids(llama, ctx, [3, 4], m, max_new_tokens=4, prefill_chunk=chunk,
+                         progress=lambda *e: events.append(e))
+    phases = [e[0] for e in events]
+    assert phases[0] == "prefill" and "compress" in phases and phases[-4:] == ["decode"] * 4
+    prompt = [e[1] for e in events if e[0] != "decode"]
+    assert prompt == sorted(prompt) and prompt[-1] == pytest.approx(200) and {e[2] for e in events[:-4]} == {200}
+    assert [e[1] for e in events[-4:]] == [1, 2, 3, 4]
+    kvmerge.generate_ids(llama, ctx, [3, 4], m, max_new_tokens=4, progress=True)  # under 2 s: no bar drawn
+    assert capsys.readouterr() == ("", "")
+    assert not hasattr(vars(kvmerge.Session(llama, 1)), "feed_prompt")
+
+
+def test_text_apis_refuse_token_ids_and_ids_apis_refuse_text(llama):
+    with pytest.raises(ParameterTypeError, match="token ids go to generate_ids"):
+        kvmerge.generate(llama, object(), [1, 2], "q")
+    with pytest.raises(ParameterTypeError, match="text goes to"):
+        kvmerge.generate_ids(llama, "a long context", [1])
+    with pytest.raises(InputError, match="unknown method"):
+        kvmerge.answer_questions(llama, object(), "context", ["q"], "nosuch")
+
+
+def test_import_is_light_and_names_still_import():
+    code = ("import sys, kvmerge, kvmerge.cli; assert 'torch' not in sys.modules, 'torch imported'; "
+            "from kvmerge import generate, compressing, KVMergeError, Stats; import kvmerge.layer; "
+            "assert kvmerge.layer.MergedLayer and 'generate' in dir(kvmerge)")
+    subprocess.run([sys.executable, "-c", code], check=True)
