@@ -126,6 +126,7 @@ class Method:
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""  # one line for `kvmerge methods` (default: the docstring's first sentence)
+    experimental: ClassVar[bool] = False  # a part of presets, not a method to pick alone (`kvmerge methods` marks it)
     requires: ClassVar[Needs] = Needs()
 
     def __post_init__(self):

@@ -27,6 +27,7 @@ class Echo(CarriedScores, ScoringMethod):
     own: int = 16
     shift: int = 0
     name = "echo"
+    experimental = True
     requires = Needs(queries=-1, rotary=True)
 
     def __post_init__(self):

@@ -17,6 +17,7 @@ class MixedAttention(ExpectedAttention):
 
     obs_window: int = 32
     name = "mixed_attention"
+    experimental = True
 
     def probabilities(self, keys, log_n, ctx):
         expected = super().probabilities(keys, log_n, ctx)

@@ -31,6 +31,7 @@ class ZipGuard(KVzip):
     saturated: float = 0.25
     level: float = 0.5
     name = "zipguard"
+    experimental = True
 
     def __post_init__(self):
         super().__post_init__()
