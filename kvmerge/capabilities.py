@@ -16,10 +16,6 @@ def refusals(method, runtime: str) -> list[str]:
     if runtime not in RUNTIMES:
         raise ValueError(f"unknown runtime {runtime!r}; runtimes: {', '.join(RUNTIMES)}")
     needs, name, out = method.needs, method.name, []
-    if runtime == "chunked" and is_global(method):
-        out.append(f"{name}: alloc={method.alloc!r} spreads one budget over every layer and head at once; a chunked "
-                   "prefill compresses before the later chunks exist, so it needs a one-shot compression (no "
-                   "prefill_chunk)")
     if runtime != "vllm":
         return out
     if needs.decode_policy:

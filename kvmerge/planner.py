@@ -57,9 +57,12 @@ class Allocation:
 
     @classmethod
     def of(cls, method, contexts: list[tuple], target: int, window: int) -> "Allocation":
-        """`contexts`: per layer `(kv, ctx)` of every row; `target`: the uniform count per head."""
+        """`contexts`: per layer `(kv, ctx)` of every row; `target`: the uniform count per head. Empty
+        slots (a head's padding from an earlier global compression: log-mass −inf) score −inf, so
+        that no head keeps one while it has an entry (a chunked prefill compresses such a cache again)."""
         check_global(method)
-        scores = [method.scores(kv.keys, kv.log_n, ctx) for kv, ctx in contexts]
+        scores = [method.scores(kv.keys, kv.log_n, ctx).masked_fill(torch.isneginf(kv.log_n), float("-inf"))
+                  for kv, ctx in contexts]
         return cls(scores, global_counts(scores, target, method.sinks, window, method.alloc, method.floor))
 
     def layer(self, i: int):

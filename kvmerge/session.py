@@ -248,10 +248,12 @@ class Session:
                              "window and has no full-attention layer to compress (use the full method)")
         method.prepare_all(self.runtime, token_rows, picked)
         layers, states = [self.cache.layers[i] for i in picked], [self.states[i] for i in picked]
-        dense = layers[0].log_n is None  # no padding: every row has the same tokens
+        dense = len(set(self.seen.tolist())) == 1  # no batch padding: every row has as many tokens
         extra = 0 if method.sliding is None else hold_sliding(self.cache.layers, layers, method, self.seen.tolist())
         n, rows = layers[0].entries, torch.arange(layers[0].keys.shape[0])
-        target = target_rule(method, n, int(self.seen.max()), window, running, extra)
+        # under a chunked prefill a global allocation's layers differ in width: the budget is the tokens'
+        target = target_rule(method, int(self.seen.max()) if running and is_global(method) else n,
+                             int(self.seen.max()), window, running, extra)
         method.plan(layers, states, LayerContext(
             layer_idx=-1, num_layers=len(layers), target=target, sinks=method.sinks, window=window,
             scaling=self.runtime.scaling, rows=rows,
@@ -268,10 +270,10 @@ class Session:
 
         allocation = None
         if is_global(method):
-            if running or not dense or method.needs.decode_policy:
+            if not dense or method.needs.decode_policy:
                 raise ValueError(f"{method.name}: alloc={method.alloc!r} spreads one budget over every layer at once, "
-                                 "so it needs a one-shot compression (no prefill_chunk) of rows without padding (one "
-                                 "row, or rows of one length) and a method without a decode policy")
+                                 "so it needs rows without padding (one row, or rows of one length) and a method "
+                                 "without a decode policy")
             allocation = Allocation.of(method, [(kv, context(i, kv, rows, state)) for i, (kv, state) in
                                                 enumerate((layer.kv(), state) for layer, state in zip(layers, states))],
                                        target, window)
@@ -289,7 +291,10 @@ class Session:
                 compressed[rows] |= smaller
                 return method.compress(*kv, ctx) if smaller and kv.slots else kv
 
-            layer.map_rows(run)
+            if allocation is None:
+                layer.map_rows(run)
+            else:  # every row at once: the allocation ranked the whole layout, empty slots included (−inf)
+                layer.replace(*run(layer.kv(), rows))
             state.compressed_at = layer.seen
         if not method.needs.decode_policy:  # heads left at different lengths are stored at their own
             for layer in layers:

@@ -237,9 +237,10 @@ def test_global_allocation_greedy_generation_runs_and_refuses_what_it_cannot_do(
     m = kvmerge.get_method("kvzip", budget=0.25, window=8, chunk=64, alloc="layer")
     out = kvmerge.generate_ids(model, random_ids(160, seed=1), [3, 4], m, max_new_tokens=4, tokenizer=TinyTokenizer())
     assert len(out.tokens[0]) == 4
-    with pytest.raises(ValueError, match="one-shot compression"):
-        kvmerge.generate_ids(model, random_ids(300, seed=1), [3], kvmerge.get_method("snapkv", alloc="head", window=8),
-                             max_new_tokens=2, prefill_chunk=128)
+    chunked = kvmerge.generate_ids(model, random_ids(300, seed=1), [3], kvmerge.get_method("snapkv", alloc="head",
+                                                                                            window=8),
+                                   max_new_tokens=2, prefill_chunk=128)  # runs chunked: test_global_..._chunked_...
+    assert len(chunked.tokens[0]) == 2
     with pytest.raises(ValueError, match="rows without padding"):
         kvmerge.generate_ids(model, [random_ids(160, seed=1), random_ids(120, seed=2)], [[3], [4]],
                              kvmerge.get_method("snapkv", alloc="head", window=8), max_new_tokens=2)
@@ -280,7 +281,7 @@ def test_merging_with_per_head_allocation_keeps_the_same_picks_and_conserves_mas
     assert changed  # and merging did change values
 
 
-def test_zipmerge_is_kvzip_global_picks_with_evictmerge_merging_and_refuses_chunks():
+def test_zipmerge_is_kvzip_global_picks_with_evictmerge_merging_and_runs_chunked():
     model = tiny_model(num_hidden_layers=3)
     kvzip = kvmerge.get_method("kvzip", window=8, chunk=64, alloc="uniform")
     _, named, _ = _compressed(model, kvmerge.get_method("zipmerge", budget=0.25, window=8, base=kvzip))
@@ -295,9 +296,9 @@ def test_zipmerge_is_kvzip_global_picks_with_evictmerge_merging_and_refuses_chun
     # the default weighs merges by KVzip's own scores, not by the last prompt queries' attention
     assert any(not torch.equal(named.cache.layers[i].full_log_n(), observed.cache.layers[i].full_log_n())
                for i in named.cache.compressible)
-    with pytest.raises(ValueError, match="one-shot compression"):
-        kvmerge.generate_ids(model, random_ids(300, seed=1), [3], kvmerge.get_method("zipmerge", window=8),
-                             max_new_tokens=2, prefill_chunk=128, tokenizer=TinyTokenizer())
+    out = kvmerge.generate_ids(model, random_ids(300, seed=1), [3], kvmerge.get_method("zipmerge", window=8),
+                               max_new_tokens=2, prefill_chunk=128, tokenizer=TinyTokenizer())
+    assert len(out.tokens[0]) == 2 and max(out.stats["cache_entries"]) > 0
 
 
 
@@ -337,3 +338,39 @@ def test_a_ragged_cache_survives_snapshots_probes_row_repeats_and_a_second_compr
     padded.repeat_rows(2)
     out = session.forward([[10], [11]])
     torch.testing.assert_close(out, padded.forward([[10], [11]]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["kvzip:window=8:chunk=64", "snapkv:alloc=head:window=8", "learnedzip:window=8",
+                                  "zipmerge:window=8:calibrate=false", "kvzip:alloc=fit:window=8:chunk=64"])
+def test_global_allocation_runs_under_a_chunked_prefill_within_budget_plus_chunk(spec):
+    """Chunk by chunk, one budget spread over every layer and head: after each chunk the live entries
+    are the running budget's (L·h·target, or the fitted widths' bytes), no head keeps an empty slot
+    while it has an entry left, and each head holds at most its count + one chunk at any time. With
+    count weights, merging keeps every token's mass."""
+    model = tiny_model(num_hidden_layers=3)
+    method = kvmerge.method_from_spec(spec, 0.25)  # learnedzip: the tiny model's scorer (conftest, random weights)
+    session = Session(model, 1, method, TinyTokenizer())
+    ids, chunk, seen = random_ids(300, seed=5), 64, []
+    real = session.compress
+
+    def compress(*args, **kwargs):
+        real(*args, **kwargs)
+        n = int(session.seen[0])
+        layers = [session.cache.layers[i] for i in session.cache.compressible]
+        live = torch.stack([(~torch.isinf(layer.full_log_n()[0])).sum(-1) for layer in layers])  # (L, h)
+        target = method.running_target(n)
+        if method.alloc == "fit":
+            assert int(live.amax(-1).sum()) <= 3 * target
+        else:
+            assert int(live.sum()) == min(3 * 2 * target, 3 * 2 * n)
+        for layer in layers:
+            assert all(int(mass) >= 1 for mass in (~torch.isinf(layer.full_log_n()[0])).sum(-1))
+        if spec.startswith("zipmerge"):
+            for layer in layers:
+                torch.testing.assert_close(layer.mass()[0], torch.full((2,), float(n)))
+        seen.append(max(layer.entries for layer in layers) - chunk)
+
+    session.compress = compress
+    with torch.no_grad():
+        session.prefill([ids], method.window, chunk=chunk)
+    assert len(seen) == 5 and max(seen) <= 3 * 2 * method.running_target(300)

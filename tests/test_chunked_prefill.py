@@ -8,8 +8,8 @@ import kvmerge
 from .conftest import TinyTokenizer, random_ids, tiny_model
 from .test_hybrid import gemma3
 
-# methods that allocate one budget over every layer by default (zipmerge, guardmerge) are one-shot only
-# (refused with prefill_chunk, test_alloc)
+# every method that keeps one count per layer and head by default; global allocation under a chunked
+# prefill is tested in test_alloc
 CHUNKED = sorted(n for n in kvmerge.available_methods()
                  if n != "full" and getattr(kvmerge.get_method(n), "alloc", "uniform") == "uniform")
 

@@ -116,7 +116,7 @@ class EvictMerge(ScoringMethod):
 
     def compress(self, keys, values, log_n, ctx):
         if ctx.alloc is not None:  # global allocation: each head keeps its own count, padded to the widest
-            scores = ctx.alloc[0]
+            scores = ctx.alloc[0].masked_fill(torch.isneginf(log_n), 0.0)  # an empty slot weighs nothing
             idx, empty = top_slots_per_head(*ctx.alloc, ctx.sinks, ctx.window)
             self.tell_selected(idx, ctx)
             protect = self._protected(idx, min(ctx.sinks, idx.shape[-1]), keys.shape[2], ctx.window)

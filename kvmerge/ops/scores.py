@@ -222,7 +222,8 @@ def global_counts(scores: list[torch.Tensor], target: int, sinks: int, window: i
                   floor: float = 0.0) -> torch.Tensor:
     """How many entries each (layer, row, head) keeps when the budget is spent globally (KVzip, AdaKV).
 
-    scores: one `(b, h, s)` per layer (same b, h, s). Every head keeps its protected sinks + window
+    scores: one `(b, h, s_l)` per layer (same b, h; a layer narrower than the widest, s, is padded with
+    −inf after its own window: a chunked prefill's layers differ in width). Every head keeps its protected sinks + window
     and, with `floor` > 0 (AdaKV's safeguard), its own best entries up to round(`floor`·`target`) in
     all; the rest of the row's L·h·`target` entries go to the highest unprotected scores over every
     layer and head together. `mode`:
@@ -234,10 +235,11 @@ def global_counts(scores: list[torch.Tensor], target: int, sinks: int, window: i
     → `(L, b, h)` long; "head" and "layer" rows sum to at most L·h·`target`, "fit" rows' layer widths
     (max over heads) sum to at most L·`target`.
     """
-    L, (b, h, s) = len(scores), scores[0].shape
+    L, (b, h, _), s = len(scores), scores[0].shape, max(x.shape[-1] for x in scores)
     target = min(target, s)
     protected = min(sinks + window, s)
-    free = torch.stack([fill_protected(x, sinks, window, float("-inf")) for x in scores], 1)  # (b, L, h, s)
+    free = torch.stack([F.pad(fill_protected(x, sinks, window, float("-inf")), (0, s - x.shape[-1]), value=float("-inf"))
+                        for x in scores], 1)  # (b, L, h, s)
     safe = min(max(round(floor * target) - protected, 0), max(target - protected, 0))
     if safe:  # each head's own top `safe` free entries rank first (AdaKV's safeguard)
         free = free.float()
