@@ -15,12 +15,13 @@ import torch
 class Runtime:
     """`tokenizer` (None where the caller gave none), `rotary` (positions `(n,)` → (cos, sin), each
     `(n, head_dim)` float32, the model's own RoPE of its full-attention layers; None where unknown),
-    `scaling` (the model's factor on q·k) and `memo`, a dict for what a method computed from the
-    cache as it is now (kept across methods compressing one prefill). The second-pass calls raise:
-    a runtime without one refuses methods that declare it (`kvmerge.capabilities`)."""
+    `scaling` (the model's factor on q·k), `config` (the model's transformers config, read only: its
+    shapes) and `memo`, a dict for what a method computed from the cache as it is now (kept across
+    methods compressing one prefill). The second-pass calls raise: a runtime without one refuses
+    methods that declare it (`kvmerge.capabilities`)."""
 
-    def __init__(self, tokenizer=None, rotary: Callable | None = None, scaling: float = 1.0):
-        self.tokenizer, self.rotary, self.scaling = tokenizer, rotary, scaling
+    def __init__(self, tokenizer=None, rotary: Callable | None = None, scaling: float = 1.0, config=None):
+        self.tokenizer, self.rotary, self.scaling, self.config = tokenizer, rotary, scaling, config
         self.memo: dict = {}
 
     def probe(self, rows: list[list[int]], listener) -> None:
@@ -56,7 +57,8 @@ class SessionRuntime(Runtime):
     def __init__(self, session, tokenizer=None):
         from .model import attention_scaling
 
-        self.tokenizer, self.scaling = tokenizer, attention_scaling(session.model.config)
+        self.tokenizer, self.config = tokenizer, session.model.config
+        self.scaling = attention_scaling(self.config)
         self._session = session
         self._rotary = self._modules = None
 

@@ -33,6 +33,28 @@ def llama():
     return tiny_model("llama")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def tiny_scorers(tmp_path_factory):
+    """Learned scorers (random weights) for the tiny models' shapes, so that `learnedzip` runs on them."""
+    from kvmerge.scorer import LinearScorer, fingerprint
+
+    from .test_hybrid import gemma3
+
+    folder = tmp_path_factory.mktemp("scorers")
+    g = torch.Generator().manual_seed(0)
+    for i, model in enumerate([tiny_model(), tiny_model(num_hidden_layers=3), gemma3()]):
+        c = model.config
+        d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        layers = sum(1 for t in (getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers)
+                     if t == "full_attention")
+        size = (c.num_attention_heads + 2 * c.num_key_value_heads) * d + 1
+        weights = [torch.randn(size, c.num_key_value_heads, generator=g) * 0.1 for _ in range(layers)]
+        LinearScorer(weights, fingerprint(c), {"random": True}).save(folder / f"tiny{i}.safetensors")
+    os.environ["KVMERGE_SCORERS"] = str(folder)
+    yield folder
+    os.environ.pop("KVMERGE_SCORERS", None)
+
+
 def random_ids(n, seed=0, vocab=96):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()

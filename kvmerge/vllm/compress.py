@@ -87,8 +87,7 @@ class VllmRuntime(Runtime):
     queries), its attention scaling, and a memo per compression. It has no second pass."""
 
     def __init__(self, hf_config, tokenizer=None):
-        super().__init__(tokenizer, None, attention_scaling(hf_config))
-        self.config = hf_config
+        super().__init__(tokenizer, None, attention_scaling(hf_config), hf_config)
         self._rotary = None
 
     @property

@@ -1,0 +1,42 @@
+"""LearnedZip (kvmerge's own): KVzip's scores predicted from the prefill's own queries, keys and values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..scorer import find, unrotate
+from .base import CarriedScores, Needs, ScoringMethod
+from .registry import register
+
+
+@register
+@dataclass
+class LearnedZip(CarriedScores, ScoringMethod):
+    """Each entry scores exp(the learned scorer's prediction of its log KVzip score) (`kvmerge.scorer`):
+    a ridge regression per compressed layer from the token's pre-RoPE queries, key and value to the
+    attention KVzip would find it gets while the model repeats the context, trained offline on text
+    shipped with Python and Perl (`kvmerge train-scorer`). No second forward: the prefill's own
+    queries, un-rotated. Selection as any `ScoringMethod`; by default KVzip's global per-head
+    allocation (`alloc="head"`), which also runs under a chunked prefill (each chunk's entries scored
+    as it arrives, kept entries keep their scores)."""
+
+    alloc: str = "head"
+    name = "learnedzip"
+    requires = Needs(queries=-1, rotary=True)
+
+    def setup(self, runtime):
+        if runtime.config is None:
+            raise ValueError("learnedzip needs the model's config to find its scorer's weights")
+        self._scorer, self._rotary = find(runtime.config), runtime.rotary
+
+    def scores(self, keys, log_n, ctx):
+        if ctx.queries is None or not hasattr(self, "_scorer"):
+            raise ValueError("learnedzip scores the prompt's own queries: compress at prefill, through a runtime")
+        fresh = min(ctx.queries.shape[2], keys.shape[2])
+        cos, sin = self._rotary(torch.arange(ctx.seen - fresh, ctx.seen))
+        q = unrotate(ctx.queries[:, :, -fresh:].float(), cos, sin)
+        k = unrotate(keys[:, :, -fresh:].float(), cos, sin)
+        predicted = self._scorer.predict(ctx.layer_idx, q, k, ctx.values[:, :, -fresh:]).exp()
+        return self.with_carried(predicted, keys.shape[2], ctx)

@@ -1,0 +1,162 @@
+"""Training the learned scorer (`kvmerge train-scorer --model NAME`): KVzip's scores as targets, the
+prefill's pre-RoPE queries, keys and values as features, one ridge regression per compressed layer.
+
+Text: documentation that ships with the system, none of it an evaluation genre: the docstrings of
+Python's standard library (its language reference, `pydoc_data`, is the `docs` genre and is left
+out, as are tests) and Perl's pod pages where Perl is installed. Each text is cut into pieces of
+`length` tokens, each fed after the chat template's opening of a user turn (when the model has one),
+as a context is in use. Reproducible: the texts' order and the held-back split come from `seed`.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from .scorer import LinearScorer, features, fingerprint, trained_path, unrotate
+
+PERL_PODS = ("/usr/share/perl", "/usr/lib/x86_64-linux-gnu/perl")
+
+
+def corpus() -> list[str]:
+    """The training texts, in a fixed order: one per standard-library module (its docstrings of over
+    200 characters, joined) and one per Perl pod page (its text without pod commands)."""
+    texts = []
+    stdlib = Path(os.__file__).parent
+    for path in sorted(glob.glob(f"{stdlib}/*.py") + glob.glob(f"{stdlib}/*/*.py")):
+        if any(part in path for part in ("pydoc_data", "test", "idlelib")):
+            continue
+        try:
+            tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        docs = [ast.get_docstring(n) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))]
+        text = "\n\n".join(d for d in docs if d and len(d) > 200)
+        if len(text) > 3000:
+            texts.append(text)
+    for root in PERL_PODS:
+        for path in sorted(glob.glob(f"{root}/**/*.pod", recursive=True)):
+            lines = Path(path).read_text(encoding="utf-8", errors="ignore").splitlines()
+            texts.append("\n".join(line for line in lines if not line.startswith("=")))
+    return texts
+
+
+def pieces(tokenizer, texts: list[str], length: int, seed: int) -> list[list[int]]:
+    """Every text cut into pieces of `length` tokens, shuffled by `seed`."""
+    out = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        out += [ids[s:s + length] for s in range(0, len(ids) - length, length)]
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def _opening(tokenizer) -> list[int]:
+    """The chat template's tokens before a user message (none without a template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    marker = "\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    return tokenizer(text.split(marker)[0], add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def examples(model, tokenizer, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per compressed layer of `model` on the context `ids`: (features `(n, F)`, log KVzip scores
+    `(n, h)`), KVzip as kvmerge runs it (`kvzip`, its defaults), features as `learnedzip` reads them."""
+    from .methods import get_method
+    from .session import Session
+
+    kvzip = get_method("kvzip")
+    session = Session(model, 1, kvzip, tokenizer)
+    session.feed_prompt([ids], capture=-1)
+    layers = list(session.cache.compressible)
+    kvzip.prepare_all(session.runtime, [ids], layers)
+    cos, sin = session.runtime.rotary(torch.arange(len(ids)))
+    out = []
+    for i in layers:
+        layer = session.cache.layers[i]
+        q = unrotate(session.states[i].queries.float(), cos, sin)
+        k = unrotate(layer.keys.float(), cos, sin)
+        x = features(q, k, layer.values)[0]
+        y = session.runtime.scratch(i)["_kvzip_fresh"][0].float().T.clamp_min(1e-12).log()
+        out.append((x.cpu(), y.cpu()))
+    return out
+
+
+def fit(sums: list[tuple[torch.Tensor, torch.Tensor]], ridge: float) -> list[torch.Tensor]:
+    """Ridge weights `(F + 1, h)` per layer from accumulated (XᵀX, XᵀY) over rows [x, 1]: the penalty
+    `ridge` × the mean of XᵀX's diagonal on every weight but the bias."""
+    out = []
+    for xtx, xty in sums:
+        reg = torch.eye(xtx.shape[0], dtype=xtx.dtype) * ridge * xtx.diagonal()[:-1].mean()
+        reg[-1, -1] = 0
+        out.append(torch.linalg.solve(xtx + reg, xty).float())
+    return out
+
+
+def overlap(predicted: torch.Tensor, true: torch.Tensor, fraction: float) -> float:
+    """Mean over heads of |top-k(predicted) ∩ top-k(true)| / k, k = `fraction` of the n entries
+    (`(..., n)` each)."""
+    k = max(1, int(fraction * true.shape[-1]))
+    a = predicted.reshape(-1, predicted.shape[-1]).topk(k, -1).indices
+    b = true.reshape(-1, true.shape[-1]).topk(k, -1).indices
+    hits = torch.zeros(a.shape[0], true.shape[-1], dtype=torch.bool).scatter_(1, a, True).gather(1, b)
+    return float(hits.float().mean())
+
+
+def train(model, tokenizer, texts: int = 120, held: int = 6, length: int = 1024, seed: int = 0, ridge: float = 1e-2,
+          progress=None) -> LinearScorer:
+    """Fit the scorer on `texts` pieces of `length` tokens; report its agreement with KVzip on `held`
+    other pieces (`meta`: top-10% and top-25% overlap per head, away from the sinks and the last 32)."""
+    sinks, window = 4, 32
+    head = _opening(tokenizer)
+    chosen = pieces(tokenizer, corpus(), length, seed)
+    if len(chosen) < texts + held:
+        raise ValueError(f"only {len(chosen)} pieces of {length} tokens in the training text, {texts + held} needed")
+    sums, start = None, time.perf_counter()
+    for j, ids in enumerate(chosen[:texts]):
+        rows = examples(model, tokenizer, head + ids)
+        if sums is None:
+            sums = [(torch.zeros(x.shape[1] + 1, x.shape[1] + 1, dtype=torch.float64),
+                     torch.zeros(x.shape[1] + 1, y.shape[1], dtype=torch.float64)) for x, y in rows]
+        for (xtx, xty), (x, y) in zip(sums, rows):
+            x1 = torch.cat([x, torch.ones(x.shape[0], 1)], 1)[sinks:].double()
+            xtx += x1.T @ x1
+            xty += x1.T @ y[sinks:].double()
+        if progress is not None:
+            progress(j + 1, texts + held)
+    weights = fit(sums, ridge)
+    scorer = LinearScorer(weights, fingerprint(model.config), {})
+    agreement = {0.1: [], 0.25: []}
+    for j, ids in enumerate(chosen[texts:texts + held]):
+        rows = examples(model, tokenizer, head + ids)
+        x = torch.stack([torch.cat([x, torch.ones(x.shape[0], 1)], 1) @ w for (x, _), w in zip(rows, weights)])
+        y = torch.stack([y for _, y in rows])
+        cut = slice(len(head) + sinks, x.shape[1] - window)
+        for fraction in agreement:
+            agreement[fraction].append(overlap(x[:, cut].transpose(1, 2), y[:, cut].transpose(1, 2), fraction))
+        if progress is not None:
+            progress(texts + j + 1, texts + held)
+    scorer.meta = {"texts": texts, "held_back": held, "length": length, "seed": seed, "ridge": ridge,
+                   "tokens": texts * (len(head) + length), "seconds": round(time.perf_counter() - start, 1),
+                   "top10_overlap": round(sum(agreement[0.1]) / held, 4),
+                   "top25_overlap": round(sum(agreement[0.25]) / held, 4)}
+    return scorer
+
+
+def main(model_name: str | None, out: str | None = None, **kwargs) -> Path:
+    """Train the scorer for a model and save it (`trained_path`, or `out`); returns the path."""
+    from .model import load_model
+
+    model, tokenizer = load_model(model_name)
+    scorer = train(model, tokenizer, **kwargs)
+    path = Path(out) if out else trained_path(model.config)
+    scorer.save(path)
+    return path
