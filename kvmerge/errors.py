@@ -86,6 +86,26 @@ def _accepted(f) -> tuple[type, ...] | None:
     return None
 
 
+def accepted_names(f) -> list[str] | None:
+    """`_accepted(f)` as type names ("int", "float", ...), for a table that outlives the classes."""
+    types = _accepted(f)
+    return None if types is None else [t.__name__ for t in types]
+
+
+def check_value(method: str, param: str, value, accepted: list[str] | None, default=MISSING) -> None:
+    """Raise `ParameterTypeError` unless `value` is of one of the `accepted` type names (None: any).
+    Bools are not numbers."""
+    if accepted is None:
+        return
+    ok = [t for t in (int, float, str, bool, dict, list, tuple, type(None)) if t.__name__ in accepted]
+    if isinstance(value, tuple(ok)) and not (isinstance(value, bool) and bool not in ok):
+        return
+    words = [t for t in ok if not (t is int and float in ok)]  # "a number" covers whole numbers
+    want = " or ".join(dict.fromkeys(_WORDS.get(t, t.__name__) for t in words))
+    shown = "" if default is MISSING else f" (default {default})"
+    raise ParameterTypeError(f"{method}: parameter {param} must be {want}{shown}, got {value!r}")
+
+
 def check_params(method) -> None:
     """Raise `ParameterTypeError` if a parameter of `method` (or of one of its parts) has a type its
     declaration does not allow, e.g. `snapkv:kernel=five` (kernel is an int). Bools are not numbers."""
@@ -95,14 +115,5 @@ def check_params(method) -> None:
         for f in fields(m):
             if not f.init:
                 continue
-            accepted = _accepted(f)
-            value = getattr(m, f.name)
-            if accepted is None:
-                continue
-            is_bool = isinstance(value, bool)
-            if isinstance(value, accepted) and not (is_bool and bool not in accepted):
-                continue
-            want = " or ".join(dict.fromkeys(_WORDS.get(t, t.__name__) for t in accepted))
-            default = "" if f.default is MISSING else f" (default {f.default!r})"
-            raise ParameterTypeError(f"{m.name or type(m).__name__}: parameter {f.name} must be {want}{default}, "
-                                     f"got {value!r}")
+            check_value(m.name or type(m).__name__, f.name, getattr(m, f.name), accepted_names(f),
+                        MISSING if f.default is MISSING else repr(f.default))

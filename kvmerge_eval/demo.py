@@ -4,33 +4,32 @@ from __future__ import annotations
 
 import time
 
-from rich.console import Console
-from rich.table import Table
-from tqdm import tqdm
-
-from kvmerge import available_methods, generate_ids, get_method, load_model
-
-from .niah import make_sample, score
-from .runner import prompt_ids
-
-
-DEFAULT_METHODS = ("full", "semanticache", "centroidkv", "streamingllm", "snapkv", "surprisemerge", "expectmerge")
+from kvmerge.cli import DEMO_METHODS as DEFAULT_METHODS  # one list for the demo and its --help
 
 
 def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int = 2048, samples: int = 3,
              model_path: str | None = None) -> list[dict]:
+    """Each of `methods` (default `DEFAULT_METHODS`) at `budget` on `samples` needle prompts of
+    `length` tokens; prints a table (found, cache bytes against the full cache, seconds) and returns its rows."""
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from kvmerge import generate_ids, load_model, method_from_spec
+
+    from .niah import make_sample, score
+    from .runner import prompt_ids
+
     console = Console(width=max(Console().width, 100))
+    names = methods or list(DEFAULT_METHODS)
+    built = {n: method_from_spec(n, None if n == "full" else budget) for n in names}  # unknown names fail first
     console.print(f"Loading model {model_path or 'SmolLM2-135M-Instruct (bundled)'} ...")
     model, tok = load_model(model_path)
-    names = methods or list(DEFAULT_METHODS)
-    unknown = [n for n in names if n not in available_methods()]
-    if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(available_methods())}")
     tasks = [make_sample(tok, length, depth=0.1 + 0.8 * i / max(samples - 1, 1), seed=i) for i in range(samples)]
     rows = []
     with tqdm(total=len(names) * len(tasks), desc="demo", unit="prompt") as bar:
         for name in names:
-            method = get_method(name) if name == "full" else get_method(name, budget=budget)
+            method = built[name]
             correct, cache, full, seconds, example = 0.0, 0, 0, 0.0, ""
             for s in tasks:
                 t0 = time.perf_counter()
@@ -45,7 +44,9 @@ def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int
                 bar.update(1)
             rows.append({"method": name, "budget": method.budget, "correct": correct, "samples": len(tasks),
                          "cache_fraction": cache / full, "seconds": seconds / len(tasks), "example": example})
-    table = Table(title=f"Needle in a haystack, {length} tokens of prose, {samples} needles")
+    table = Table(title=f"Needle in a haystack, {length} tokens of prose, {samples} needles",
+                  caption=f"each method keeps {budget:.0%} of the context's cache (full: all of it); correct: the "
+                  "hidden number is in the answer")
     for col in ("method", "budget", "correct", "cache vs full", "s / prompt"):
         table.add_column(col, no_wrap=True)
     table.add_column("first answer", overflow="ellipsis", max_width=34)

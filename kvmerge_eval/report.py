@@ -31,12 +31,16 @@ def table(rows: list[dict], metric: str) -> str:
     return "\n".join(lines)
 
 
-def report(folder, plots: bool = True, methods: list[str] | None = None, plot_dir=None) -> str:
+def report(folder, plots: bool = True, methods: list[str] | None = None, plot_dir=None,
+           wrote: list | None = None) -> str:
     """Tables (markdown) of every task in `folder`, restricted to `methods` (specs, as run) if given;
-    plots go to `plot_dir` (default: `folder`)."""
+    plots go to `plot_dir` (default: `folder`), and the path of each PNG written is appended to
+    `wrote` if given."""
     folder = Path(folder)
     plot_dir = Path(plot_dir or folder)
-    plot_dir.mkdir(parents=True, exist_ok=True)
+    wrote = [] if wrote is None else wrote
+    if plots:
+        plot_dir.mkdir(parents=True, exist_ok=True)
     texts = []
     for task in TASKS:
         raw = [r for r in _read(folder / f"{task}.jsonl") if methods is None or r["method"] in methods]
@@ -46,16 +50,17 @@ def report(folder, plots: bool = True, methods: list[str] | None = None, plot_di
         for metric in METRICS.get(task, ("score",)):
             texts.append(f"### {task}: {metric}\n\n" + table(rows, metric))
         if plots:
-            _curves(rows, task, plot_dir)
+            wrote.append(_curves(rows, task, plot_dir))
             if task == "niah":
-                _heatmaps(raw, plot_dir)
+                wrote.append(_heatmaps(raw, plot_dir))
     if not texts:
         raise FileNotFoundError(f"no results (<task>.jsonl) in {folder}")
     return "\n\n".join(texts)
 
 
-def _curves(rows, task, folder):
-    """Metric vs budget, one line per method (mean over lengths and subtasks); full cache dashed."""
+def _curves(rows, task, folder) -> Path:
+    """Metric vs budget, one line per method (mean over lengths and subtasks); full cache dashed. The
+    budget axis spans 0 to 1 and a score axis 0 to 1, so that one point or flat lines read as such."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,18 +81,27 @@ def _curves(rows, task, folder):
             ax.plot(xs, ys, marker="osD^v<>"[i % 7], color=plt.cm.tab20(i % 20), label=method)
     if metric == "kl" and any(x > 0 for by in series.values() for ys in by.values() for x in ys):
         ax.set_yscale("log")
+    ax.set_xlim(0, 1.05)
+    if metric in ("score", "top1"):
+        ax.set_ylim(-0.03, 1.03)
+    elif metric != "kl" or ax.get_yscale() != "log":
+        low, high = ax.get_ylim()
+        if high - low < 1e-6:  # a single value: a band around it instead of matplotlib's ±4%
+            ax.set_ylim(low - max(abs(low), 1) * 0.5, high + max(abs(high), 1) * 0.5)
     ax.set_xlabel("budget (fraction of context kept)")
     ax.set_ylabel({"kl": "KL(full ‖ method) per token", "score": "score"}.get(metric, metric))
     ax.set_title(task)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, bbox_to_anchor=(1.02, 1), loc="upper left")
     fig.tight_layout()
-    fig.savefig(folder / f"{task}_{metric}_vs_budget.png", dpi=120)
+    path = folder / f"{task}_{metric}_vs_budget.png"
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path
 
 
-def _heatmaps(raw, folder):
-    """Needle accuracy, depth × length, one panel per (method, budget)."""
+def _heatmaps(raw, folder) -> Path:
+    """Needle accuracy, depth × length, one panel per (method, budget), with one colour bar (0–1)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,11 +115,12 @@ def _heatmaps(raw, folder):
     lengths = sorted({n for p in cells.values() for _, n in p})
     cols = min(4, len(panels))
     rows_n = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(3 * cols, 2.6 * rows_n), squeeze=False)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(3 * cols + 1, 2.6 * rows_n), squeeze=False)
+    image = None
     for ax, key in zip(axes.flat, panels):
         grid = [[sum(cells[key][(d, n)]) / len(cells[key][(d, n)]) if cells[key][(d, n)] else float("nan")
                  for n in lengths] for d in depths]
-        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_title(f"{key[0]} {key[1]:g}", fontsize=8)
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=6)
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=6)
@@ -114,5 +129,9 @@ def _heatmaps(raw, folder):
     fig.supxlabel("context length (tokens)")
     fig.supylabel("needle depth")
     fig.tight_layout()
-    fig.savefig(folder / "niah_heatmaps.png", dpi=120)
+    if image is not None:
+        fig.colorbar(image, ax=axes.ravel().tolist(), label="needles found (fraction)", shrink=0.9)
+    path = folder / "niah_heatmaps.png"
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path

@@ -66,7 +66,7 @@ def test_contexts_beyond_the_model_positions_are_refused_with_both_numbers(no_fo
             kv.prefill(ctx)
 
 
-def test_parameter_types_and_runtime_refusals_come_before_any_forward(no_forward):
+def test_parameter_types_and_runtime_refusals_come_before_any_forward(no_forward, monkeypatch):
     ctx = random_ids(300)
     bad = kvmerge.method_from_spec("snapkv:kernel=five", 0.25)
     with pytest.raises(ParameterTypeError, match="kernel must be a whole number .*'five'") as e:
@@ -75,9 +75,13 @@ def test_parameter_types_and_runtime_refusals_come_before_any_forward(no_forward
     with pytest.raises(ParameterTypeError, match="kernel"):
         with kvmerge.compressing(no_forward, bad):
             pass
-    with pytest.raises(InputError, match="one-shot"):
-        kvmerge.generate_ids(no_forward, ctx, [3], kvmerge.get_method("zipguardmerge", budget=0.25),
-                             prefill_chunk=128)
+    with monkeypatch.context() as patch:  # whatever the chunked runtime refuses, it refuses before a forward
+        patch.setattr("kvmerge.capabilities.refusals", lambda m, r: [f"{m.name} needs one-shot"] if r == "chunked"
+                      else [])
+        with pytest.raises(InputError, match="snapkv needs one-shot"):
+            kvmerge.generate_ids(no_forward, ctx, [3], kvmerge.get_method("snapkv", budget=0.25), prefill_chunk=128)
+        kvmerge.generate_ids(tiny_model(), ctx, [3], kvmerge.get_method("snapkv", budget=0.25), prefill_chunk=300,
+                             max_new_tokens=1)  # a chunk as long as the context is one-shot
     with pytest.raises(InputError, match="prefill chunk"):
         kvmerge.generate_ids(no_forward, ctx, [3], prefill_chunk=0)
     with pytest.raises(InputError, match="max_new_tokens"):

@@ -1,0 +1,268 @@
+"""What each `kvmerge` command runs (`kvmerge.cli` parses the arguments). Each command checks what it
+can without the model first (files, model name, method specs, budgets, what a runtime refuses), so a
+mistake costs a second, not a model load and a prefill."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import sys
+from pathlib import Path
+
+from .errors import InputError, UnknownNameError, UnsupportedError, suggest
+
+
+def _eval(module: str):
+    """A module of `kvmerge_eval`, or a clear error if the eval extra is not installed."""
+    try:
+        return importlib.import_module(f"kvmerge_eval.{module}")
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith(("kvmerge_eval", "tqdm", "rich", "matplotlib")):
+            raise
+        raise InputError(f"this command needs the evaluation extra ({e.name} is missing): "
+                         "pip install 'kvmerge[eval]'") from e
+
+
+# -- checks that need no model -----------------------------------------------------------------
+def read_text(name: str, what: str = "--context") -> str:
+    """The UTF-8 text of file `name` ("-": stdin), refusing a missing, unreadable, binary or empty one."""
+    if name == "-":
+        text = sys.stdin.read()
+    else:
+        path = Path(name).expanduser()
+        if path.is_dir():
+            raise InputError(f"{what} {name} is a folder: give a UTF-8 text file")
+        if not path.exists():
+            raise InputError(f"{what} {name}: no such file (give a UTF-8 text file, or - to read stdin)")
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise InputError(f"{what} {name} cannot be read: {e.strerror}") from e
+        if b"\0" in data[:4096]:
+            raise InputError(f"{what} {name} is a binary file: give UTF-8 text (e.g. pdftotext paper.pdf paper.txt)")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"{what} {name} is not UTF-8 (byte {e.start}): convert it, e.g. iconv -t utf-8") from e
+    if not text.strip():
+        raise InputError(f"{what} {name} is empty: nothing to compress")
+    return text
+
+
+def method(spec: str, budget=None):
+    """The method of `spec` with `budget`, checked: a known name (close names suggested), known
+    parameters of the declared types (both from the methods table first, without torch), a budget it
+    accepts."""
+    from . import catalog
+
+    catalog.check_spec(spec)
+
+    from .errors import check_params, refusing
+    from .methods import method_from_spec
+
+    with refusing():
+        try:
+            m = method_from_spec(spec, budget)
+        except ValueError as e:
+            hint = (" (a fraction of the context is written with a point, e.g. 1.0 or 0.25)"
+                    if isinstance(budget, int) and "entries" in str(e) else "")
+            raise InputError(f"{e}{hint}") from e
+        check_params(m)
+    return m
+
+
+def model_name(name) -> None:
+    from .model import check_model_name
+
+    check_model_name(name)
+
+
+def runs_here(m, model, chunk: int | None, text_chars: int | None = None) -> None:
+    """Refuse what this method cannot do with these options: a chunked prefill it refuses (or a
+    chunk below its protected tokens), `sliding` on a model without sliding-window layers."""
+    from .model import DEFAULT_MODEL, has_sliding_layers
+
+    if chunk is not None and m.name != "full":
+        from .capabilities import refusals
+
+        if chunk < m.sinks + m.window:
+            raise InputError(f"--prefill-chunk {chunk} is below the protected sinks + window ({m.sinks} + "
+                             f"{m.window}): every chunk would be kept whole; use at least {m.sinks + m.window}")
+        reasons = refusals(m, "chunked")
+        if reasons and (text_chars is None or chunk < text_chars):
+            raise UnsupportedError(f"{reasons[0]}; drop --prefill-chunk, or pick a method that runs chunked "
+                                   "(`kvmerge methods`: runs in)")
+    if m.sliding is not None and has_sliding_layers(model) is False:
+        raise UnsupportedError(f"{getattr(m, 'preset', None) or m.name}: sliding={m.sliding} shortens sliding-window layers, and "
+                               f"{model or DEFAULT_MODEL} has none: drop :sliding, or use a model with sliding-window "
+                               "layers (e.g. --model gemma3-270m)")
+
+
+def device(name: str | None) -> None:
+    if name is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise InputError(f"unknown device {name!r}: use cpu, cuda or cuda:N") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedError(f"--device {name}: torch sees no CUDA GPU here; use --device cpu (or leave it out)")
+
+
+def _known_suite(name: str) -> None:
+    import kvmerge_eval
+
+    folder = Path(kvmerge_eval.__file__).parent / "suites"
+    names = sorted(p.stem for p in folder.glob("*.toml"))
+    if not name.endswith(".toml") and name not in names:
+        raise UnknownNameError(f"unknown suite {name!r}{suggest(name, names)}; suites: {', '.join(names)}")
+    if name.endswith(".toml") and not Path(name).is_file():
+        raise InputError(f"no suite file {name}")
+
+
+# -- the commands ------------------------------------------------------------------------------
+def generate(args) -> int:
+    text = read_text(args.context)
+    if not args.question.strip():
+        raise InputError("--question is empty: ask something about the context")
+    if args.stop is not None and not all(args.stop):
+        raise InputError("--stop needs non-empty strings, comma-separated")
+    model_name(args.model)
+    from .catalog import split_spec
+
+    if split_spec(args.method)[1].get("sliding") is not None:  # refused before torch loads, where it can be
+        runs_here(argparse.Namespace(name=split_spec(args.method)[0], sliding=split_spec(args.method)[1]["sliding"]),
+                  args.model, None)
+    m = method(args.method, args.budget)
+    runs_here(m, args.model, args.prefill_chunk, len(text))
+    device(args.device)
+
+    from transformers import TextStreamer
+
+    from .generate import generate as run
+    from .model import load_model
+    from .progress import ProgressBars
+
+    if sys.stderr.isatty() and not args.no_progress:
+        print(f"loading {args.model or 'smollm2-135m'} ...", file=sys.stderr, end="\r", flush=True)
+    model, tok = load_model(args.model, device=args.device)
+    bars = None if args.no_progress else ProgressBars(decode=not sys.stdout.isatty())
+    out = run(model, tok, text, args.question, m, args.max_new_tokens, temperature=args.temperature,
+              top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+              streamer=TextStreamer(tok, skip_special_tokens=True), prefill_chunk=args.prefill_chunk, progress=bars)
+    print(f"[{out.stats}]", file=sys.stderr)
+    return 0
+
+
+def methods(args) -> int:
+    from . import catalog
+
+    if args.name:
+        print(catalog.detail(args.name))
+    else:
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+        print(catalog.table(width))
+    return 0
+
+
+def demo(args) -> int:
+    model_name(args.model)
+    for spec in args.methods:
+        method(spec, None if spec == "full" else args.budget)
+    _eval("demo").run_demo(args.methods, args.budget, args.length, args.samples, args.model)
+    return 0
+
+
+def suites(args) -> int:
+    s = _eval("suites")
+    for name in s.available():
+        print(f"{name:16} {s.load(name).title}")
+    return 0
+
+
+def eval(args) -> int:  # noqa: A001 - the command's name
+    if args.suite:
+        _known_suite(args.suite)
+        s = _eval("suites")
+        suite = s.load(args.suite)
+        s.run_suite(suite, args.models, args.out)
+        print(s.report(suite, args.out, args.models))
+        return 0
+    model_name(args.model)
+    for spec in args.methods:
+        m = method(spec, args.budgets[0])
+        runs_here(m, args.model, args.prefill_chunk)
+    if args.text is not None:
+        genres = _eval("corpus").GENRES
+        if args.text not in genres:
+            if not Path(args.text).exists():
+                raise InputError(f"--text {args.text!r} is neither a genre{suggest(args.text, genres)} ("
+                                 f"{', '.join(genres)}) nor a file")
+            read_text(args.text, "--text")
+    from .model import load_model
+
+    runner, report = _eval("runner"), _eval("report")
+    model, tok = load_model(args.model)
+    runner.run(args.task, model, tok, args.methods, args.budgets, args.lengths, args.samples, args.out,
+               args.protocol, args.text, args.limit, args.subtasks, args.prefill_chunk)
+    print(report.report(args.out, plots=False))
+    return 0
+
+
+def bench(args) -> int:
+    model_name(args.model)
+    for spec in args.methods:
+        method(spec, args.budget)
+    if args.memory:
+        memory = _eval("memory")
+        print(memory.HEADER)
+        memory.table(args.model, args.methods[0], args.budget, args.lengths, args.prefill_chunk or 1024)
+        return 0
+    from .model import load_model
+
+    b = _eval("bench")
+    model, tok = load_model(args.model)
+    rows, profiles = b.run_bench(model, args.methods, args.budget, args.lengths, args.batches, args.steps,
+                                 args.out, tok, args.prefill_chunk)
+    cols = ["length", "batch", "method", "ms_per_step", "tokens_per_s", "speedup", "cache_vs_full",
+            "compress_vs_prefill", "peak_extra_mb", "floor_ms", "vs_floor", "kernel_floor_ms", "vs_kernel_floor"]
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    r = rows[0]
+    print(f"floor = (weights + cache bytes) / copy bandwidth {r['bandwidth_gbs']:.1f} GB/s (best of "
+          f"{r['bandwidth_before_gbs']:.1f} before and {r['bandwidth_after_gbs']:.1f} after the decode runs)")
+    print("kernel floor = torch's own linears over the weights (" + ", ".join(
+          f"batch {k}: {x['linear_ms']:.1f} ms" for k, x in {x["batch"]: x for x in rows}.items())
+          + f") + cache bytes / packed decode SDPA's read rate {r['attention_gbs']:.1f} GB/s, same run")
+    for spec, parts in profiles.items():
+        print(f"profile, {spec}, batch {max(args.batches)} x {max(args.lengths)} tokens, ms/step: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
+    o = b.bias_overhead(model, max(args.lengths), max(args.batches), args.steps)
+    print(f"attention alone, biased with log_n = 0 vs stock SDPA, batch {o['batch']} x {o['length']} tokens: "
+          f"{o['biased_ms']:.1f} vs {o['stock_ms']:.1f} ms/step ({o['overhead']:+.1%})")
+    return 0
+
+
+def report(args) -> int:
+    if args.suite:
+        _known_suite(args.suite)
+        s = _eval("suites")
+        print(s.report(s.load(args.suite), args.root, args.models, args.budgets))
+        return 0
+    if args.folder is None:
+        raise InputError("report needs a results folder (kvmerge eval --out FOLDER writes one) or --suite NAME")
+    folder = Path(args.folder)
+    if not folder.is_dir():
+        raise InputError(f"no results folder {args.folder}: kvmerge eval --out {args.folder} writes one"
+                         if not folder.exists() else f"{args.folder} is a file: give the results folder")
+    wrote: list[Path] = []
+    print(_eval("report").report(folder, plots=not args.no_plots, methods=args.methods, plot_dir=args.plots_to,
+                                 wrote=wrote))
+    if wrote:
+        print(f"kvmerge report: wrote {len(wrote)} plot(s) to {wrote[0].parent}: "
+              + ", ".join(p.name for p in wrote), file=sys.stderr)
+    return 0
