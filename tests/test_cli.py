@@ -1,0 +1,205 @@
+"""The command line: every mistake ends in one line on stderr naming the problem and the fix, exit
+status 2, before any model loads; --debug shows the traceback; --help and `methods` load no torch."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import kvmerge.model
+from kvmerge.cli import main
+from kvmerge.errors import InputError
+
+
+class ModelLoaded(Exception):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def no_model(monkeypatch):
+    """Loading a model fails the test: a refusal must come first."""
+    def refuse(*_a, **_k):
+        raise ModelLoaded("the model was loaded")
+
+    monkeypatch.setattr(kvmerge.model, "load_model", refuse)
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ctx.txt").write_text("The code is 4721. It was hidden in the library.\n")
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "binary.dat").write_bytes(b"\x7fELF\x00\x01\x02" * 40)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "folder").mkdir()
+    return tmp_path
+
+
+def fails(capsys, argv, *expected):
+    """Run `kvmerge argv`: exit status 2 and one stderr line holding every `expected` string."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    for text in expected:
+        assert text in err, err
+    return err
+
+
+G = ["generate", "--context", "ctx.txt", "--question", "What is the code?"]
+
+MISTAKES = [  # argv, what the line must say
+    (["gen"], "unknown command 'gen' (did you mean generate?)"),
+    (["generate", "--context", "paper.txt", "--question", "q"], "paper.txt: no such file"),
+    (G + ["--method", "snapkv:kernel=five"], "kernel must be a whole number (default 7), got 'five'"),
+    (G + ["--method", "snapkv:window=abc"], "window must be a whole number"),
+    (G + ["--method", "snapvk"], "unknown method 'snapvk' (did you mean snapkv?)"),
+    (G + ["--method", "snapkv:kernal=5"], "no parameter 'kernal' (did you mean kernel?)"),
+    (G + ["--method", "snapkv:kernel"], "expected param=value"),
+    (G + ["--method", "h2o:decode=1"], "decode must be true or false"),
+    (G + ["--method", "mixedmerge:sliding=0.75"], "smollm2-135m has none"),
+    (G + ["--model", "gemma-3-270m"], "did you mean gemma3-270m?"),
+    (G + ["--model", "./missing"], "no model at ./missing"),
+    (G + ["--model", "folder"], "folder without a model"),
+    (G + ["--budget", "0"], "--budget", "got '0'"),
+    (G + ["--budget", "-1"], "got '-1'"),
+    (G + ["--budget", "1.5"], "fraction of the context in (0, 1]"),
+    (G + ["--budget", "half"], "got 'half'"),
+    (G + ["--budget", "1"], "below the protected", "written with a point"),
+    (G + ["--max-new-tokens", "-3"], "--max-new-tokens", "got '-3'"),
+    (G + ["--max-new-tokens", "0"], "got '0'"),
+    (G + ["--temperature", "-1"], "--temperature"),
+    (G + ["--top-p", "2"], "--top-p", "(0, 1]"),
+    (G + ["--top-k", "-2"], "--top-k"),
+    (G + ["--prefill-chunk", "0"], "--prefill-chunk"),
+    (G + ["--prefill-chunk", "8"], "below the protected sinks + window"),
+    (G + ["--stop", ""], "--stop"),
+    (G + ["--stop", ","], "--stop"),
+    (G + ["--budgte", "0.5"], "unknown option '--budgte' (did you mean --budget"),
+    (["generate", "--context", "ctx.txt", "--question", " "], "--question is empty"),
+    (["generate", "--context", "empty.txt", "--question", "q"], "empty.txt is empty"),
+    (["generate", "--context", "folder", "--question", "q"], "is a folder"),
+    (["generate", "--context", "binary.dat", "--question", "q"], "binary file"),
+    (["generate", "--context", "latin1.txt", "--question", "q"], "not UTF-8"),
+    (["generate", "--question", "q"], "required: --context"),
+    (["report", "missing_folder"], "no results folder missing_folder"),
+    (["report", "ctx.txt"], "is a file"),
+    (["report"], "needs a results folder"),
+    (["report", "--suite", "ancors"], "unknown suite 'ancors' (did you mean anchors"),
+    (["eval", "--suite", "nosuch"], "unknown suite 'nosuch'"),
+    (["eval", "--task", "nia"], "unknown --task 'nia' (did you mean niah?)"),
+    (["eval", "--methods", "full,snapkv:kernel=x"], "kernel must be a whole number"),
+    (["eval", "--budgets", "0.5,2"], "--budgets"),
+    (["eval", "--text", "lega"], "neither a genre (did you mean legal?)"),
+    (["eval", "--model", "smollm3"], "unknown model 'smollm3'"),
+    (["bench", "--methods", "nosuch"], "unknown method 'nosuch'"),
+    (["demo", "--methods", "full,expectmerg"], "unknown method 'expectmerg' (did you mean expectmerge"),
+    (["demo", "--length", "0"], "--length"),
+    (["methods", "snapvk"], "unknown method 'snapvk' (did you mean snapkv?)"),
+]
+
+
+@pytest.mark.parametrize("mistake", MISTAKES, ids=[" ".join(m[0])[-60:] for m in MISTAKES])
+def test_each_mistake_is_one_line_and_exit_status_2_before_the_model_loads(capsys, files, mistake):
+    fails(capsys, mistake[0], *mistake[1:])
+
+
+def test_cuda_without_a_gpu_is_refused_before_the_model_loads(capsys, files, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fails(capsys, G + ["--device", "cuda"], "no CUDA GPU", "--device cpu")
+    fails(capsys, G + ["--device", "tpu9"], "unknown device 'tpu9'")
+
+
+def test_chunked_refusals_come_before_the_model_loads(capsys, files, monkeypatch):
+    monkeypatch.setattr("kvmerge.capabilities.refusals",
+                        lambda m, runtime: [f"{m.name} needs one-shot"] if runtime == "chunked" else [])
+    (files / "long.txt").write_text("word " * 3000)
+    argv = ["generate", "--context", "long.txt", "--question", "q", "--method", "guardmerge", "--prefill-chunk", "512"]
+    fails(capsys, argv, "needs one-shot", "drop --prefill-chunk")
+
+
+def test_hub_ids_are_refused_at_once_offline_when_not_cached(capsys, files, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    fails(capsys, G + ["--model", "nobody/no-such-model"], "not in the local Hugging Face cache", "HF_HUB_OFFLINE")
+
+
+def test_valid_requests_reach_the_model_with_an_int_budget(capsys, files):
+    """`--budget 400` is a number of entries (as in bench and the README): the checks pass."""
+    for extra in (["--budget", "400"], ["--budget", "25%"], ["--method", "snapkv:kernel=5", "--prefill-chunk", "64"]):
+        with pytest.raises(SystemExit) as e:
+            main(G + extra)
+        assert e.value.code == 1 and "the model was loaded" in capsys.readouterr().err
+
+
+def test_debug_shows_the_traceback(files, monkeypatch):
+    with pytest.raises(InputError, match="no such file"):
+        main(["--debug", "generate", "--context", "missing.txt", "--question", "q"])
+    monkeypatch.setenv("KVMERGE_DEBUG", "1")
+    with pytest.raises(InputError, match="no such file"):
+        main(["generate", "--context", "missing.txt", "--question", "q"])
+
+
+def test_methods_table_says_what_each_does_its_cost_and_where_it_runs(capsys):
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[1] if line.startswith("*") else line.split()[0]: line for line in out.splitlines() if line}
+    assert lines["mixedmerge"].startswith("* ") and lines["zipguardmerge"].startswith("* ")
+    assert "old name: expectmerge" in lines["mixedmerge"] and "old name: guardmerge" in lines["zipguardmerge"]
+    assert "2nd pass" in lines["kvzip"] and "one pass" in lines["snapkv"] and "vLLM" in lines["snapkv"]
+    assert "vLLM" not in lines["kvzip"].split("  ")[3] and " part " in lines["zipguard"]
+    assert all(len(line.split("  ")) > 3 for name, line in lines.items() if name in kvmerge.available_methods())
+    assert main(["methods", "expectmerge"]) == 0
+    detail = capsys.readouterr().out
+    assert detail.startswith("mixedmerge (preset, recommended)") and "spec: evictmerge:" in detail
+    assert main(["methods", "snapkv"]) == 0
+    assert "kernel = 7  (int)" in capsys.readouterr().out
+
+
+def test_spec_reading_without_torch_matches_the_registry():
+    from kvmerge.catalog import split_spec
+    from kvmerge.methods.registry import parse_spec
+
+    for spec in ["snapkv", "snapkv:kernel=5:window=8", 'evictmerge:base={"name":"snapkv","kernel":3}:recent=0.5',
+                 "zipguardmerge:fallback=surprisal+echo", 'kvzip:alloc="fit":plus=true', "full:sliding=0.75"]:
+        assert split_spec(spec) == parse_spec(spec), spec
+
+
+def test_help_and_methods_answer_without_torch(tmp_path):
+    code = ("import sys; from kvmerge.cli import main\n"
+            "for argv in (['--help'], ['generate', '--help'], ['methods']):\n"
+            "    try: main(argv)\n"
+            "    except SystemExit: pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    env = dict(os.environ)
+    subprocess.run([sys.executable, "-c", "from kvmerge import catalog; catalog.rows()"], check=True, env=env)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "--budget B" in out.stdout and "(default: 0.25)" in out.stdout and "mixedmerge" in out.stdout
+
+
+def test_help_texts_name_what_runs(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    for name in ("full", "semanticache", "centroidkv", "streamingllm", "snapkv", "surprisemerge", "mixedmerge"):
+        assert name in out
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--question TEXT the question" in out and "(default: mixedmerge)" in out and "(default: 64)" in out
+
+
+def test_report_says_what_it_wrote_with_readable_axes(capsys, tmp_path):
+    rows = [{"task": "niah", "method": m, "budget": b, "length": 300, "depth": 0.5, "score": s,
+             "cache_bytes": 1, "full_cache_bytes": 4} for m, b, s in [("full", 1.0, 1.0), ("snapkv", 0.25, 0.5)]]
+    (tmp_path / "niah.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "| niah | snapkv | 50% |" in out
+    assert err.startswith(f"kvmerge report: wrote 2 plot(s) to {tmp_path}: ") and "niah_heatmaps.png" in err
+    assert (tmp_path / "niah_score_vs_budget.png").stat().st_size > 0
