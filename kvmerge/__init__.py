@@ -35,6 +35,10 @@ __all__ = sorted([*_WHERE, "KVMergeError"])
 def __getattr__(name: str):
     if name in _WHERE:
         value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        if name in ("get_method", "method_from_spec"):  # refusals as KVMergeErrors, parameter types checked
+            from .errors import checked
+
+            value = checked(value)
     else:
         try:  # a submodule: kvmerge.layer, kvmerge.methods, ...
             value = importlib.import_module(f".{name}", __name__)

@@ -67,6 +67,53 @@ def refusing():
         raise InputError(str(e)) from e
 
 
+def checked(make):
+    """`make` (`get_method`, `method_from_spec`) raising `KVMergeError`s: a plain ValueError or
+    TypeError becomes one (same message; an unknown name gets close names suggested), and the
+    method's parameter types are checked (`check_params`)."""
+    import functools
+
+    @functools.wraps(make)
+    def run(*args, **kwargs):
+        try:
+            with refusing():
+                _precheck(make.__name__, args, kwargs)
+                method = make(*args, **kwargs)
+        except UnknownNameError:
+            raise
+        except InputError as e:
+            if not str(e).startswith("unknown method"):
+                raise
+            from .methods import available_methods
+
+            name = str(args[0]).partition(":")[0] if args else ""
+            raise UnknownNameError(f"unknown method {name!r}{suggest(name, available_methods())}; "
+                                   f"available: {', '.join(available_methods())}") from e
+        check_params(method)
+        return method
+    return run
+
+
+def _precheck(maker: str, args, kwargs) -> None:
+    """The parameter values of a `get_method` / `method_from_spec` call against the declared types of
+    the method's fields, before the method is built (its own checks may compare a word with a number)."""
+    from .methods.presets import PRESETS
+    from .methods.registry import _REGISTRY, canonical, parse_spec
+
+    if not args or not isinstance(args[0], str):
+        return
+    name, params = parse_spec(args[0]) if maker == "method_from_spec" else (args[0], kwargs)
+    found = canonical(name)
+    preset = next((p for p in PRESETS if p.name == found), None)
+    cls = _REGISTRY.get(preset.method if preset else found)
+    if cls is None:
+        return
+    for f in fields(cls):
+        if f.init and f.name in params:
+            check_value(found, f.name, params[f.name], accepted_names(f),
+                        MISSING if f.default is MISSING else repr(f.default))
+
+
 # -- parameter types, checked against the method's declarations ----------------------------------
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),),
           "dict": (dict,), "list": (list,), "tuple": (tuple, list)}
