@@ -66,7 +66,7 @@ $(VVENV)/.installed: pyproject.toml Makefile
 
 setup-vllm: $(VVENV)/.installed
 
-# The main venv converts the bundled SmolLM2 (transformers 5.24) and runs the reference (kvmerge.vllm.reference).
+# The main venv converts the bundled SmolLM2 (transformers 5.24) and runs the reference (benchmarks/vllm_reference.py).
 test-vllm: setup setup-vllm
 	HF_HUB_OFFLINE=1 $(BIN)/python -c "import kvmerge; kvmerge.load_model()"
 	HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 $(VBIN)/python -m pytest -q -p no:cacheprovider -o addopts="" tests/test_vllm*.py

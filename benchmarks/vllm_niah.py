@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python benchmarks/vllm_niah.py --methods full,snapkv,expectmerge --budget 0.25 --samples 10
 
-Needs the main venv (.venv: the transformers runtime, `python -m kvmerge.vllm.reference`) beside
+Needs the main venv (.venv: the transformers runtime, `benchmarks/vllm_reference.py`) beside
 .venv-vllm. Per method: kvmerge's NIAH prompts of about `--length` tokens (context and question, the
 whole prompt compressed: the question-aware protocol), greedy `--tokens` tokens from `kvmerge.Session`
 and from vLLM with the plugin (same method; the same entry count: a method that only selects keeps
@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
     from kvmerge.model import cache_dir
-    from kvmerge.vllm.reference import call, greedy_as_vllm_keeps
+    from vllm_reference import call, greedy_as_vllm_keeps
     from kvmerge_eval import niah
 
     model = str(cache_dir() / "smollm2-135m")

@@ -2,8 +2,11 @@
 
 Runs in kvmerge's main environment (transformers 5.24; the runtime needs it), never imports vLLM:
 
-    python -m kvmerge.vllm.reference prompts --samples 4 --length 2048 > prompts.json
-    python -m kvmerge.vllm.reference greedy --method snapkv --budget 0.25 --tokens 32 < prompts.json > ref.json
+    .venv/bin/python benchmarks/vllm_reference.py prompts --samples 4 --length 2048 > prompts.json
+    .venv/bin/python benchmarks/vllm_reference.py greedy --method snapkv --budget 0.25 --tokens 32 < prompts.json > ref.json
+
+(`--imports` names modules or .py files registering methods of one's own, as the plugin's setting does.)
+The vLLM-side tests and benchmarks call it through `call` (KVMERGE_MAIN_PYTHON: another interpreter).
 
 `prompts`: kvmerge's NIAH samples (kvmerge_eval), each a whole chat prompt of token ids (context and
 question together: the plugin compresses the whole prompt, i.e. kvmerge's question-aware protocol).
@@ -57,34 +60,36 @@ def greedy(model, prompt: list[int], method, tokens: int, top: int = 5, tokenize
     return {"tokens": ids, "top": tops}
 
 
-MAIN_PYTHON = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"  # kvmerge's main environment
+MAIN_PYTHON = Path(os.environ.get("KVMERGE_MAIN_PYTHON",
+                                  Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"))
 
 
 def call(*args: str, stdin: str | None = None, timeout: float | None = None) -> list:
-    """This module's command `args` run in kvmerge's main environment (from the vLLM one); its JSON."""
-    out = subprocess.run([str(MAIN_PYTHON), "-m", "kvmerge.vllm.reference", *args], input=stdin, capture_output=True,
+    """This script's command `args` run in kvmerge's main environment (from the vLLM one); its JSON."""
+    out = subprocess.run([str(MAIN_PYTHON), __file__, *args], input=stdin, capture_output=True,
                          text=True, check=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     return json.loads(out.stdout)
 
 
 def greedy_as_vllm_keeps(prompts: list[dict], method: str, budget: float, tokens: int, block_size: int,
-                         timeout: float | None = None) -> list:
+                         timeout: float | None = None, imports: tuple[str, ...] = ()) -> list:
     """`greedy` on `prompts` at the entry count the plugin keeps for each (`config.layout`: a method that
     only selects fills its first kept block, up to `block_size` − 1 entries over the budget)."""
     from kvmerge import method_from_spec
+    from kvmerge.methods.registry import load_plugins
+    from kvmerge.vllm.config import layout
 
-    from .config import layout
-
+    load_plugins(list(imports))
     spec = method_from_spec(method, budget)
     kept = [{**p, "kept": layout(spec, len(p["ids"]), block_size).kept} for p in prompts]
     return call("greedy", "--method", method, "--budget", str(budget), "--tokens", str(tokens),
-                stdin=json.dumps(kept), timeout=timeout)
+                *[a for x in imports for a in ("--imports", x)], stdin=json.dumps(kept), timeout=timeout)
 
 
 def main(argv=None) -> None:
     import kvmerge
 
-    parser = argparse.ArgumentParser(prog="python -m kvmerge.vllm.reference")
+    parser = argparse.ArgumentParser(prog="benchmarks/vllm_reference.py")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prompts")
     p.add_argument("--samples", type=int, default=4)
@@ -94,7 +99,12 @@ def main(argv=None) -> None:
     g.add_argument("--method", default="full")
     g.add_argument("--budget", type=float, default=None)
     g.add_argument("--tokens", type=int, default=32)
+    g.add_argument("--imports", action="append", default=[], help="a module or .py file registering methods")
     args = parser.parse_args(argv)
+    if args.command == "greedy":
+        from kvmerge.methods.registry import load_plugins
+
+        load_plugins(args.imports)
     model, tok = kvmerge.load_model()
     if args.command == "prompts":
         json.dump(niah_prompts(tok, args.samples, args.length, args.seed), sys.stdout)

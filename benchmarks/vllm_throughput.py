@@ -56,7 +56,6 @@ def run_one(args, method: str | None, budget: float | None) -> dict:
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
 
-    from kvmerge.vllm.attention import STATS
     from kvmerge import method_from_spec
     from kvmerge.vllm.config import needs_channel, padded_head_size
 
@@ -90,6 +89,8 @@ def run_one(args, method: str | None, budget: float | None) -> dict:
             if o.finished:
                 produced += len(o.outputs[0].token_ids)
     wall = time.perf_counter() - start
+    runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    compress_seconds = runner.kvmerge.stats["compress_seconds"] if method is not None else 0.0
     engine.engine_core.shutdown()
     ttft = list(first.values())
     return {"config": "stock" if method is None else f"{method}@{budget}", "pool_blocks": blocks,
@@ -99,7 +100,7 @@ def run_one(args, method: str | None, budget: float | None) -> dict:
             "requests_per_s": round(args.requests / wall, 4), "output_tokens_per_s": round(produced / wall, 3),
             "peak_running": peak, "preemptions": sum(preempted.values()),
             "ttft_mean_s": round(statistics.mean(ttft), 2), "ttft_median_s": round(statistics.median(ttft), 2),
-            "compress_seconds": round(STATS["compress_seconds"], 2)}
+            "compress_seconds": round(compress_seconds, 2)}
 
 
 def main(argv=None) -> None:

@@ -107,7 +107,7 @@ def _run_prompt(task, model, tok, ctx, jobs, protocol, chunk=None):
     kind = get_task(task)
     if protocol == "aware" and not kind.teacher_forced:
         question = len(prompt_ids(tok, jobs[0][0], task)[1])
-    rows = []
+    rows, references = [], {}  # a fidelity sample's (context, continuation) → its full-cache log-probs
     for spec, budget, session, logits in compressed_once(model, tok, [ctx], configs, question, chunk):
         base = {"method": f"{spec}@chunk{chunk}" if chunk else spec, "budget": budget,
                 "date": datetime.date.today().isoformat()}
@@ -115,7 +115,10 @@ def _run_prompt(task, model, tok, ctx, jobs, protocol, chunk=None):
         if kind.teacher_forced:
             for s, _ in mine:
                 logp = fidelity.teacher_forced(session, logits, s.answer)
-                rows.append({**base, **s.meta, **fidelity.compare(_reference(model, s), logp, s.answer)})
+                key = (tuple(s.context), tuple(s.answer))  # its full-cache log-probs, once per prompt
+                if key not in references:
+                    references[key] = fidelity.continuation_logits(model, s.context, s.answer)
+                rows.append({**base, **s.meta, **fidelity.compare(references[key], logp, s.answer)})
             continue
         stats = cache_stats(session, [ctx], protocol)
         compressed = session.snapshot()
@@ -129,17 +132,6 @@ def _run_prompt(task, model, tok, ctx, jobs, protocol, chunk=None):
                          **{k: stats[k] for k in ("cache_bytes", "full_cache_bytes", "compress_seconds",
                                                   "prefill_seconds")}})
     return rows
-
-
-_REFERENCE: dict = {}  # a fidelity sample's ids (context, continuation) → its full-cache log-probs
-
-
-def _reference(model, s):
-    key = (tuple(s.context), tuple(s.answer))
-    if key not in _REFERENCE:
-        _REFERENCE.clear()
-        _REFERENCE[key] = fidelity.continuation_logits(model, s.context, s.answer)
-    return _REFERENCE[key]
 
 
 def _read(path) -> list[dict]:

@@ -6,12 +6,14 @@ vLLM's pool is small enough that freed blocks are reused by the other requests; 
 own figures show the blocks released and the requests admitted.
 
 The reference runs in kvmerge's main environment (.venv, transformers 5.24: the runtime needs it) as
-`python -m kvmerge.vllm.reference`; this test runs in .venv-vllm (make test-vllm)."""
+`benchmarks/vllm_reference.py`; this test runs in .venv-vllm (make test-vllm). A method of one's own
+(tests/plugins/lastquery.py) runs through the plugin's `imports` setting."""
 
 import gc
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 
@@ -22,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from kvmerge.model import cache_dir  # noqa: E402
-from kvmerge.vllm.reference import MAIN_PYTHON, call, greedy_as_vllm_keeps  # noqa: E402
+from benchmarks.vllm_reference import MAIN_PYTHON, call, greedy_as_vllm_keeps  # noqa: E402
 
 MODEL = cache_dir() / "smollm2-135m"
 TOKENS, BLOCK = 32, 32
@@ -30,7 +32,9 @@ TOKENS, BLOCK = 32, 32
 # blocks include blocks freed by the ones before; evictmerge: a roomy pool and all 4 prompts in one step.
 # expectmerge: all 4 in one step too, each layer's compression deferred until the step's logits exist.
 SETTINGS = {"snapkv": dict(num_gpu_blocks_override=130), "evictmerge": dict(max_num_batched_tokens=9000),
-            "expectmerge": dict(max_num_batched_tokens=9000), "echo": dict(num_gpu_blocks_override=130)}
+            "expectmerge": dict(max_num_batched_tokens=9000), "echo": dict(num_gpu_blocks_override=130),
+            "lastquery": dict(num_gpu_blocks_override=130)}
+IMPORTS = {"lastquery": (str(Path(__file__).parent / "plugins" / "lastquery.py"),)}
 pytestmark = pytest.mark.skipif(not MAIN_PYTHON.exists() or not (MODEL / "model.safetensors").exists(),
                                 reason="needs kvmerge's main venv (.venv: make setup) and the converted SmolLM2")
 
@@ -54,14 +58,16 @@ def first_divergence(got_tokens, got_logprobs, want) -> dict:
     return out
 
 
-@pytest.mark.parametrize("method", ["snapkv", "evictmerge", "expectmerge", "echo"])
+@pytest.mark.parametrize("method", ["snapkv", "evictmerge", "expectmerge", "echo", "lastquery"])
 def test_method_matches_the_transformers_runtime_and_frees_blocks(monkeypatch, prompts, method):
     from vllm import envs
 
-    want = greedy_as_vllm_keeps(prompts, method, 0.25, TOKENS, BLOCK, timeout=1800)  # snapkv: its block filled
+    imports = IMPORTS.get(method, ())
+    want = greedy_as_vllm_keeps(prompts, method, 0.25, TOKENS, BLOCK, timeout=1800, imports=imports)  # snapkv: block filled
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: its scheduler is readable
     llm = LLM(model=str(MODEL), dtype="float32", max_model_len=4096, enforce_eager=True, block_size=BLOCK,
-              enable_prefix_caching=False, additional_config={"kvmerge": {"method": method, "budget": 0.25}},
+              enable_prefix_caching=False,
+              additional_config={"kvmerge": {"method": method, "budget": 0.25, "imports": list(imports)}},
               **SETTINGS[method])
     try:
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
@@ -79,9 +85,10 @@ def test_method_matches_the_transformers_runtime_and_frees_blocks(monkeypatch, p
     assert all(r["first_divergence"] is None for r in report), report
     assert max(r["max_logprob_diff"] for r in report) < 1e-3, report
     assert len(stats) == 4 and peak == 4, (stats, peak)  # on snapkv's pool stock vLLM runs one at a time
-    assert together == {"snapkv": 1, "evictmerge": 4, "expectmerge": 4, "echo": 1}[method]
+    assert together == {"snapkv": 1, "evictmerge": 4, "expectmerge": 4, "echo": 1, "lastquery": 1}[method]
     for p, s in zip(prompts, [stats[k] for k in sorted(stats, key=lambda k: int(k.split("-")[0]))]):
         budget = round(0.25 * len(p["ids"]))
-        assert s["prompt"] == len(p["ids"]) and budget <= s["kept"] < budget + (BLOCK if method in ("snapkv", "echo") else 1)
+        selects = method in ("snapkv", "echo", "lastquery")
+        assert s["prompt"] == len(p["ids"]) and budget <= s["kept"] < budget + (BLOCK if selects else 1)
         assert s["freed"] == (s["prompt"] - s["kept"]) // BLOCK and s["listed"] == math.ceil(s["prompt"] / BLOCK)
         assert s["held"] <= math.ceil(s["kept"] / BLOCK) + 1  # the budget's blocks plus at most one

@@ -25,6 +25,9 @@ def configure(vllm_config) -> None:
     settings = check(vllm_config)
     if settings is None:
         return
+    from .compat import check_version
+
+    check_version()
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -44,16 +47,6 @@ def configure(vllm_config) -> None:
 def register() -> None:
     """The `vllm.general_plugins` entry point, run once in each vLLM process: wraps the current
     platform's `check_and_update_config` (run when vLLM builds its config) with `configure`."""
-    from vllm.platforms import current_platform
+    from .compat import after_platform_config
 
-    platform = type(current_platform)
-    if getattr(platform.check_and_update_config, "kvmerge", False):
-        return
-    stock = platform.check_and_update_config
-
-    def check_and_update_config(cls, vllm_config) -> None:
-        stock(vllm_config)
-        configure(vllm_config)
-
-    check_and_update_config.kvmerge = True
-    platform.check_and_update_config = classmethod(check_and_update_config)
+    after_platform_config(configure)

@@ -25,13 +25,11 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadata, CPUAttentionMetadataBuilder)
 
-from .compress import EMPTY_LOG_N, compress_prompt, paged_entries, worker_method
+from .compress import EMPTY_LOG_N, compress_prompt, paged_entries
 from .config import Layout, padded_head_size
 
-__all__ = ["EMPTY_LOG_N", "STATS", "KvmergeCPUBackend", "KvmergePlainCPUBackend", "Prompt", "StepPlan", "channel_query", "shifted",
+__all__ = ["EMPTY_LOG_N", "KvmergeCPUBackend", "KvmergePlainCPUBackend", "Prompt", "StepPlan", "channel_query", "shifted",
            "with_channel"]
-
-STATS = {"compress_seconds": 0.0, "compressed_layers": 0}  # this worker process's compressions, for benchmarks
 
 
 def with_channel(x: torch.Tensor, size: int, channel: torch.Tensor | float | None = None) -> torch.Tensor:
@@ -122,7 +120,7 @@ class KvmergeCPUImpl(CPUAttentionBackendImpl):
 
         config = get_current_vllm_config()
         self.num_layers = config.model_config.hf_text_config.num_hidden_layers
-        self.method, self.runtime = worker_method(config)
+        self.state = None  # the worker's `WorkerState`, set by its runner once the model is loaded
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         size = kv_cache.shape[-1] // 2
@@ -148,11 +146,11 @@ class KvmergeCPUImpl(CPUAttentionBackendImpl):
         for prompt in () if plan is None else plan.prompts:
             span = slice(prompt.start, prompt.start + prompt.layout.prompt)
             q, k, v, slots = query[span], key[span], value[span], attn_metadata.slot_mapping[span]
-            if not self.method.needs.surprisal:
+            if not self.state.method.needs.surprisal:
                 self._compress(layer, prompt, q, k, v, kv_cache, slots, size)
                 continue
             # the logits exist only after the last layer: keep this layer's inputs (the queries it reads) till then
-            window = self.method.needs.queries
+            window = self.state.method.needs.queries
             q = q if window < 0 else q[max(q.shape[0] - window, 0):]
             plan.deferred.append((prompt, functools.partial(self._compress, layer, prompt, q.clone(), k.clone(),
                                                             v.clone(), kv_cache, slots.clone(), size)))
@@ -163,12 +161,12 @@ class KvmergeCPUImpl(CPUAttentionBackendImpl):
         values, `slots` `(P,)`) and write them into its slots [start, P)."""
         start = time.perf_counter()
         lay = prompt.layout
-        kv = compress_prompt(self.method, extract_layer_index(layer.layer_name), self.num_layers, query, key, value,
-                             prompt.token_ids, self.scale, lay.kept, surprisal, self.runtime)
+        kv = compress_prompt(self.state.method, extract_layer_index(layer.layer_name), self.num_layers, query, key, value,
+                             prompt.token_ids, self.scale, lay.kept, surprisal, self.state.runtime)
         keys, values = paged_entries(kv, lay, self.scale, size, key.dtype)
         CPUAttentionBackendImpl.do_kv_cache_update(self, layer, keys, values, kv_cache, slots[lay.start:])
-        STATS["compress_seconds"] += time.perf_counter() - start
-        STATS["compressed_layers"] += 1
+        self.state.stats["compress_seconds"] += time.perf_counter() - start
+        self.state.stats["compressed_layers"] += 1
 
 
 class KvmergePlainCPUBackend(CPUAttentionBackend):

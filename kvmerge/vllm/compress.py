@@ -10,6 +10,7 @@ Pure functions on tensors (no vLLM import): `compress_prompt` asks the one layer
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -124,20 +125,23 @@ def build_method(settings, tokenizer_path: str | None, hf_config) -> tuple[Metho
     return method, runtime
 
 
-_METHODS: dict = {}
+@dataclass
+class WorkerState:
+    """What a worker's runner owns and hands to every kvmerge attention layer of its model: the method
+    object, its runtime, and the worker's compression figures (`stats`: seconds, layers compressed)."""
+
+    method: Method
+    runtime: VllmRuntime
+    stats: dict = field(default_factory=lambda: {"compress_seconds": 0.0, "compressed_layers": 0})
 
 
-def worker_method(vllm_config) -> tuple[Method, VllmRuntime] | None:
-    """The worker's method object and runtime for vLLM's config (one per process and settings; None:
-    plugin off): every attention layer of the process compresses with the same object."""
+def worker_state(vllm_config) -> WorkerState | None:
+    """A worker's `WorkerState` for vLLM's config (None: the plugin is off)."""
     settings = settings_of(getattr(vllm_config, "additional_config", None))
     if settings is None:
         return None
     model = vllm_config.model_config
-    key = (settings, model.tokenizer, model.hf_text_config.to_json_string())  # not id(): ids are reused
-    if key not in _METHODS:
-        _METHODS[key] = build_method(settings, model.tokenizer, model.hf_text_config)
-    return _METHODS[key]
+    return WorkerState(*build_method(settings, model.tokenizer, model.hf_text_config))
 
 
 def prompt_surprisal(lm_head: torch.Tensor, hf_config, hidden: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..capabilities import refusals
 from ..methods import Method, method_from_spec
+from ..methods.registry import load_plugins
 from ..planner import is_global
 
 KEY = "kvmerge"
@@ -29,13 +30,17 @@ KERNEL_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # what 
 class Settings:
     """`additional_config["kvmerge"]`: `method`, a spec `kvmerge.method_from_spec` accepts, and
     `budget` (a float in (0, 1]: the fraction of each prompt's entries kept per layer and KV head; an
-    int: a number of entries; None: the spec's or the method's default)."""
+    int: a number of entries; None: the spec's or the method's default) and `imports`: modules or
+    Python files that register methods of one's own, imported in every vLLM process before `method`
+    is resolved (`kvmerge.methods.registry.load_plugins`)."""
 
     method: str
     budget: float | int | None = None
+    imports: tuple[str, ...] = ()
 
     def build(self) -> Method:
         """A fresh method object (raises on an unknown method, parameter or a budget out of range)."""
+        load_plugins(list(self.imports))
         return method_from_spec(self.method, self.budget)
 
 
@@ -47,17 +52,20 @@ def settings_of(additional_config) -> Settings | None:
     if not isinstance(raw, dict):
         raise ValueError(f'kvmerge: additional_config["kvmerge"] must be a dict like {{"method": "snapkv", '
                          f'"budget": 0.25}}, got {raw!r}')
-    unknown = set(raw) - {"method", "budget"}
+    unknown = set(raw) - {"method", "budget", "imports"}
     if unknown:
         raise ValueError(f"kvmerge: unknown setting(s) {', '.join(sorted(unknown))}; "
-                         "the settings are method and budget")
+                         "the settings are method, budget and imports")
+    imports = raw.get("imports", [])
+    if not isinstance(imports, (list, tuple)) or not all(isinstance(x, str) for x in imports):
+        raise ValueError(f'kvmerge: "imports" must be a list of module names or .py paths, got {imports!r}')
     if not isinstance(raw.get("method"), str):
         raise ValueError(f'kvmerge: "method" must be a method spec string (kvmerge.available_methods()), '
                          f"got {raw.get('method')!r}")
     budget = raw.get("budget")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))):
         raise ValueError(f"kvmerge: budget must be a float in (0, 1] or an int number of entries, got {budget!r}")
-    return Settings(raw["method"], budget)
+    return Settings(raw["method"], budget, tuple(imports))
 
 
 def refusal(method: Method) -> str | None:

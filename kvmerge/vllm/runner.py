@@ -13,14 +13,14 @@ import inspect
 import time
 
 import torch
-from vllm.v1.attention import selector
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from .attention import STATS, KvmergeCPUBuilder, Prompt, StepPlan
-from .compress import prompt_surprisal, worker_method
-from .config import layout, needs_channel
+from .attention import KvmergeCPUBuilder, KvmergeCPUImpl, Prompt, StepPlan
+from .compat import clear_backend_cache, swap_class
+from .compress import prompt_surprisal, worker_state
+from .config import layout, needs_channel, settings_of
 
 BACKEND = "kvmerge.vllm.attention.KvmergeCPUBackend"  # with the log-mass channel
 PLAIN_BACKEND = "kvmerge.vllm.attention.KvmergePlainCPUBackend"  # full, and methods that only select
@@ -33,10 +33,19 @@ class KvmergeCPURunner(CPUModelRunner):
     kvmerge_freed: dict
 
     def kvmerge_start(self) -> None:
-        self.kvmerge_method, _ = worker_method(self.vllm_config)
+        self.kvmerge = worker_state(self.vllm_config)
+        self.kvmerge_method = self.kvmerge.method
         self.kvmerge_freed = {}
         self.kvmerge_step: StepPlan | None = None
         self.kvmerge_lm_head: torch.Tensor | None = None
+
+    def load_model(self, *args, **kwargs):
+        """vLLM's model load, then every kvmerge attention layer gets this worker's `WorkerState`."""
+        out = super().load_model(*args, **kwargs)
+        for module in self.get_model().modules():
+            if isinstance(getattr(module, "impl", None), KvmergeCPUImpl):
+                module.impl.state = self.kvmerge
+        return out
 
     def _model_forward(self, *args, **kwargs):
         """vLLM's forward, then the step's deferred compressions, given each prompt's surprisal from the
@@ -49,7 +58,7 @@ class KvmergeCPURunner(CPUModelRunner):
             config = self.vllm_config.model_config.hf_text_config
             surprisal = {p.row: prompt_surprisal(self._lm_head(), config, hidden[p.start:p.start + p.layout.prompt],
                                                  p.token_ids) for p in plan.prompts}
-            STATS["compress_seconds"] += time.perf_counter() - start
+            self.kvmerge.stats["compress_seconds"] += time.perf_counter() - start
             for prompt, compress in plan.deferred:
                 compress(surprisal=surprisal[prompt.row])
             plan.deferred.clear()
@@ -116,16 +125,16 @@ class KvmergeCPUWorker(CPUWorker):
     `KvmergeCPURunner` as its runner. Named by `parallel_config.worker_cls` when the plugin is on."""
 
     def __init__(self, vllm_config, *args, **kwargs):
-        method, _ = worker_method(vllm_config)
+        method = settings_of(vllm_config.additional_config).build()
         register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND if needs_channel(method) else PLAIN_BACKEND)
         # vLLM caches each backend lookup for the process: a second engine in this process (tests,
         # benchmarks) with the other kind of method must not get the first one's backend
-        getattr(selector._cached_get_attn_backend, "cache_clear", lambda: None)()
+        clear_backend_cache()
         super().__init__(vllm_config, *args, **kwargs)
 
     def init_device(self):
         super().init_device()
         if type(self.model_runner) is not CPUModelRunner:
             raise ValueError(f"kvmerge: unexpected model runner {type(self.model_runner).__name__}")
-        self.model_runner.__class__ = KvmergeCPURunner  # the same object, with the plan hook
+        swap_class(self.model_runner, KvmergeCPURunner)  # the same object, with the plan hook
         self.model_runner.kvmerge_start()

@@ -15,6 +15,7 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from .compat import free_leading_blocks, request_blocks
 from .config import layout, settings_of
 
 logger = init_logger("vllm.plugins.kvmerge")  # under "vllm": printed with vLLM's own log lines
@@ -52,17 +53,16 @@ class KvmergeScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output, model_runner_output):
         out = super().update_from_output(scheduler_output, model_runner_output)
-        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         prompts = 0
         for req_id in scheduler_output.num_scheduled_tokens:
             n = self.kvmerge_prefilling.pop(req_id, None)
-            if n is None or req_id not in manager.req_to_blocks:  # not a prefill, or finished already
+            if n is None or request_blocks(self, req_id) is None:  # not a prefill, or finished already
                 continue
             lay = layout(self.kvmerge_method, n, self.kvmerge_block_size)
             prompts += 1
             if lay.freed:
-                manager._remove_blocks_in_range(req_id, 0, lay.freed)
-            blocks = manager.req_to_blocks[req_id]
+                free_leading_blocks(self, req_id, lay.freed)
+            blocks = request_blocks(self, req_id)
             held = sum(not b.is_null for b in blocks)
             times = self.kvmerge_stats.pop(req_id, {}).get("compressions", 0) + 1  # > 1: recomputed after preemption
             self.kvmerge_stats[req_id] = {"prompt": lay.prompt, "kept": lay.kept, "freed": lay.freed, "held": held,
