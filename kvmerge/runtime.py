@@ -7,7 +7,7 @@ methods that declare `Needs.second_pass`.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

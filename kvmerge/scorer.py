@@ -66,7 +66,7 @@ class LinearScorer:
                   metadata={"model": self.model, "meta": json.dumps(self.meta)})
 
     @classmethod
-    def load(cls, path: Path) -> "LinearScorer":
+    def load(cls, path: Path) -> LinearScorer:
         from safetensors import safe_open
 
         with safe_open(str(path), "pt") as f:

@@ -82,6 +82,12 @@ class Session:
         logits = out.logits.float() if all_logits else out.logits[:, -1].float()
         return logits, states[0] if hidden else None, ids, pad
 
+    def hidden_states(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the rows like `forward`; returns the decoder's final hidden states `(batch, width, d)` and
+        the left-padded ids `(batch, width)` fed (what `kvmerge.model.token_surprisal` reads)."""
+        _, hidden, ids, _ = self._feed(rows, hidden=True)
+        return hidden, ids
+
     def fed(self, lengths: torch.Tensor, captured: int = 0) -> None:
         """Account for a forward that appended `lengths` `(batch,)` tokens to the cache (queries kept if
         `captured`): the counters advance and the memo is dropped (the cache changed)."""

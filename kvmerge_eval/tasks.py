@@ -5,7 +5,7 @@ the suites, the report and the CLI read this table; a new task is one `Task` her
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ WEAK = set(",;:")
 DELIMITERS = STRONG | WEAK | {"\t"}
 SPACE_MARKERS = "\u2581\u0120\u010a"  # SentencePiece ▁, byte-BPE Ġ and Ċ
 
-_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 ANCHOR, STRONG_ANCHOR = 1, 2  # table codes: 0 plain, 1 weak delimiter, 2 strong delimiter / special
 

@@ -27,14 +27,14 @@ class KV(NamedTuple):
     def slots(self) -> int:
         return self.keys.shape[2]
 
-    def take(self, idx: torch.Tensor) -> "KV":
+    def take(self, idx: torch.Tensor) -> KV:
         """The slots `idx` `(b, h, k)`, in that order."""
         return KV(*(gather_slots(x, idx) for x in self))
 
-    def narrow(self, start: int, length: int) -> "KV":
+    def narrow(self, start: int, length: int) -> KV:
         return KV(*(x.narrow(2, start, length) for x in self))
 
-    def split(self, sinks: int, window: int) -> tuple["KV", "KV", "KV"]:
+    def split(self, sinks: int, window: int) -> tuple[KV, KV, KV]:
         """(the first `sinks` slots, the middle, the last `window` slots); shorter caches give short parts."""
         s = self.slots
         head = min(sinks, s)
@@ -42,6 +42,6 @@ class KV(NamedTuple):
         return self.narrow(0, head), self.narrow(head, s - head - tail), self.narrow(s - tail, tail)
 
     @staticmethod
-    def cat(*parts: "KV") -> "KV":
+    def cat(*parts: KV) -> KV:
         """Concatenate along the slot axis."""
         return KV(*(torch.cat(xs, dim=2) for xs in zip(*parts)))
