@@ -16,7 +16,7 @@ sees the same entries at the same slots; appends and kvmerge's attention use the
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

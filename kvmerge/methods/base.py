@@ -41,7 +41,7 @@ class Needs:
     merges: bool = False
     sliding: bool = False
 
-    def __or__(self, other: "Needs") -> "Needs":
+    def __or__(self, other: Needs) -> Needs:
         q = -1 if min(self.queries, other.queries) < 0 else max(self.queries, other.queries)
         return Needs(queries=q, **{f.name: getattr(self, f.name) or getattr(other, f.name)
                                    for f in fields(self) if f.name != "queries"})
