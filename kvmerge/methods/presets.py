@@ -73,6 +73,9 @@ PRESETS = [
            aliases=("expectmerge",)),
     Preset("zipmerge", "evictmerge", {"base": "kvzip", "alloc": "head", "recent": 0.0, "calibrate_with": "base"},
            "KVzip's global picks kept exact, every other entry merged into them, weighted by KVzip's scores"),
+    Preset("learnedmerge", "evictmerge", {"base": "learnedzip", "alloc": "head", "recent": 0.0, "calibrate_with": "base"},
+           "learnedzip's global picks (KVzip's scores predicted from the prefill, no second pass) kept exact, every "
+           "other entry merged into them, weighted by the predicted scores"),
     Preset("zipguardmerge", "evictmerge",
            {"base": "zipguard", "alloc": "head", "recent": 0.0, "calibrate_with": "base", "saturated": 0.25,
             "base.saturated": 0.25, "base.fallback": "surprisal+echo"},
