@@ -21,7 +21,8 @@ __version__ = "0.2.0"
 _WHERE = {  # public name → the submodule that defines it
     "kvmerge_attention": "attention", "MergedCache": "cache", "MergedLayer": "cache",
     "Compressor": "compressing", "compressing": "compressing",
-    "GenerationOutput": "generate", "Sampling": "generate", "Stats": "generate", "answer_questions": "generate",
+    "GenerationOutput": "generate", "Sampling": "generate", "Stats": "stats", "answer_questions": "generate",
+    "answer_questions_ids": "generate",
     "generate": "generate", "generate_ids": "generate", "split_prompt": "generate",
     "LayerContext": "methods", "LayerState": "methods", "Method": "methods", "Needs": "methods",
     "ScoringMethod": "methods", "available_methods": "methods", "get_method": "methods",

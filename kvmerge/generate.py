@@ -19,56 +19,10 @@ from .methods import Method, get_method
 from .model import max_positions
 from .progress import bars_for, watching
 from .session import Session
+from .stats import Stats
 
 PROTOCOLS = ("agnostic", "aware")
-MiB = 2 ** 20
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")  # chat templates' end-of-turn tokens
-
-
-class Stats(dict):
-    """A request's statistics: a dict (`stats["cache_bytes"]`, as before) whose `str` is one line
-    (method, budget, context tokens, entries, MiB against the full cache, seconds per phase).
-
-    Keys: `method`, `budget`, `protocol`, `context_tokens` (an int for one prompt, else one per row),
-    `cache_entries` (one per layer: the most any row holds), `cache_bytes` and `full_cache_bytes`
-    (the whole cache against what transformers' own would hold), `compressed_layers_bytes` and
-    `compressed_layers_full_bytes` (the layers the budget applies to), `prefill_seconds`,
-    `compress_seconds`, `decode_seconds`, `new_tokens` (one per row), `final_cache_bytes`, and what the
-    method reports of itself."""
-
-    @property
-    def layers(self) -> list[int]:
-        """Entries per layer (`cache_entries`)."""
-        return list(self.get("cache_entries", []))
-
-    @property
-    def ratio(self) -> float | None:
-        """The cache's bytes against the full cache's."""
-        return self["cache_bytes"] / self["full_cache_bytes"] if self.get("full_cache_bytes") else None
-
-    @property
-    def seconds(self) -> dict[str, float]:
-        """Seconds per phase (prefill, compress, decode), rounded to 0.01."""
-        return {k.removesuffix("_seconds"): round(v, 2) for k, v in self.items()
-                if k.endswith("_seconds") and isinstance(v, (int, float))}
-
-    def summary(self) -> str:
-        tokens = self.get("context_tokens")
-        tokens = f"{tokens:,}" if isinstance(tokens, int) else "/".join(f"{t:,}" for t in tokens or [])
-        entries = sorted(set(self.layers))
-        kept = (f"{entries[0]:,}" if len(entries) == 1 else f"{entries[0]:,}–{entries[-1]:,}") if entries else "?"
-        parts = [f"{self.get('method', '?')} at budget {self.get('budget')}", f"{tokens} context tokens",
-                 f"{kept} entries per layer"]
-        if self.ratio is not None:
-            parts.append(f"cache {self['cache_bytes'] / MiB:.2f} MiB of {self['full_cache_bytes'] / MiB:.2f} MiB "
-                         f"({self.ratio:.1%})")
-        parts.append(", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()))
-        return "; ".join(p for p in parts if p)
-
-    __str__ = summary
-
-    def __repr__(self) -> str:
-        return f"Stats({self.summary()}; dict keys: {', '.join(self)})"
 
 
 @dataclass
@@ -154,8 +108,8 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
     as `generate` would answer it alone (chat template applied; each answer stops at the end of its
     turn). One `GenerationOutput` per question, `.text` set.
 
-    The older form `answer_questions(model, context_ids, question_ids, method)` (token ids, no text)
-    still works: see `answer_questions_ids`."""
+    Token ids in the tokenizer's place, `answer_questions(model, context_ids, question_ids, method)`,
+    run `answer_questions_ids`."""
     if _is_ids(tokenizer):  # answer_questions(model, context_ids, question_ids, method, ...)
         if method is not None:
             raise ParameterTypeError("answer_questions(model, context_ids, question_ids, method, ...) takes no fifth "

@@ -43,7 +43,7 @@ class ProgressBars:
                 self.kind = kind
             if self.bar.desc != phase:
                 self.bar.set_description_str(phase, refresh=False)
-            self.bar.update(max(0, int(done) - self.bar.n))
+            self.bar.update(max(0, round(done) - self.bar.n))
         if self._ticker is None:
             self._ticker = threading.Thread(target=self._tick, daemon=True)
             self._ticker.start()

@@ -151,3 +151,35 @@ def test_import_is_light_and_names_still_import():
             "from kvmerge import generate, compressing, KVMergeError, Stats; import kvmerge.layer; "
             "assert kvmerge.layer.MergedLayer and 'generate' in dir(kvmerge)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.ci_slow
+def test_smollm2_answers_two_questions_from_one_compressed_cache():
+    model, tok = kvmerge.load_model()
+    context = "The library opens at nine. The code of the back door is 4721. Visitors sign the book. " * 12
+    questions = ["What is the code of the back door?", "When does the library open?"]
+    ctx = kvmerge.split_prompt(tok, context, questions[0])[0]
+    rows = [kvmerge.split_prompt(tok, context, q)[1] for q in questions]
+    from kvmerge.generate import end_ids
+
+    ends = end_ids(tok)
+    assert tok.convert_tokens_to_ids("<|im_end|>") in ends
+
+    def answer(tokens):  # up to the end of the turn
+        cut = [i for i, t in enumerate(tokens) if t in ends]
+        return tokens[:cut[0] + 1] if cut else tokens
+
+    with kvmerge.compressing(model, "snapkv", budget=0.25, tokenizer=tok) as kv:
+        cache = kv.prefill(ctx)
+        got = [model.generate(torch.tensor([ctx + q]), cache=cache, max_new_tokens=12, do_sample=False)
+               [0, len(ctx + q):].tolist() for q in rows]
+    want = [kvmerge.generate_ids(model, ctx, q, kvmerge.get_method("snapkv", budget=0.25), max_new_tokens=12,
+                                 tokenizer=tok).tokens[0] for q in rows]
+    assert [answer(g) for g in got] == [answer(w) for w in want]
+    outs = kvmerge.answer_questions(model, tok, context, questions, "snapkv", max_new_tokens=24)
+    alone = kvmerge.generate(model, tok, context, questions[1], "snapkv", max_new_tokens=24)
+    assert outs[1].text == alone.text and all(out.text for out in outs)
+    for out in outs:
+        tokens = out.tokens[0]
+        assert len(tokens) == 24 or tokens[-1] in ends  # stopped at the end of its turn
+        assert not any(t in ends for t in tokens[:-1]) and "<|im_start|>" not in tok.decode(tokens)
