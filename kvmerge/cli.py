@@ -40,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
         if unknown:
             word = unknown.group(1).split()[0]
             message = f"unknown option {word!r}{suggest(word, _options(self, self._command))}"
-        raise SystemExit(_fail(self.prog, message))
+        raise _fail(self.prog, message)
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -61,9 +61,21 @@ def _options(parser, command: str | None = None) -> list[str]:
     return sorted(set(out))
 
 
-def _fail(prog: str, message: str) -> int:
-    print(f"{prog}: {one_line(message)}", file=sys.stderr)
-    return 2
+class Exit(SystemExit):
+    """Exit status `code` (2: a mistake) after the one line on stderr; `str()` is that line."""
+
+    def __init__(self, line: str, code: int = 2):
+        super().__init__(code)
+        self.line = line
+
+    def __str__(self) -> str:
+        return self.line
+
+
+def _fail(prog: str, message: str, code: int = 2) -> Exit:
+    line = f"{prog}: {one_line(message)}"
+    print(line, file=sys.stderr)
+    return Exit(line, code)
 
 
 # -- argument types: each refuses a bad value in one line -------------------------------------
@@ -220,15 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             raise
-        raise SystemExit(_fail(f"kvmerge {args.command}", "interrupted")) from None
+        raise _fail(f"kvmerge {args.command}", "interrupted", 130) from None
     except Exception as e:  # noqa: BLE001 - one line for every failure unless --debug
         if debug:
             raise
         if isinstance(e, (KVMergeError, ValueError, TypeError, OSError, LookupError)):
-            raise SystemExit(_fail(f"kvmerge {args.command}", one_line(e))) from None
+            raise _fail(f"kvmerge {args.command}", one_line(e)) from None
         message = f"{type(e).__name__}: {one_line(e)} (unexpected: run again with --debug for the traceback)"
-        _fail(f"kvmerge {args.command}", message)
-        raise SystemExit(1) from None
+        raise _fail(f"kvmerge {args.command}", message, 1) from None
 
 
 def _run(args) -> int:

@@ -22,8 +22,9 @@ class InputError(KVMergeError, ValueError):
     """A value kvmerge cannot use: an out-of-range budget, a missing file, a too-long context..."""
 
 
-class ParameterTypeError(KVMergeError, TypeError):
-    """A parameter of the wrong type (a word where a number goes, an unknown parameter name)."""
+class ParameterTypeError(KVMergeError, TypeError, ValueError):
+    """A parameter of the wrong type (a word where a number goes, an unknown parameter name); also a
+    `ValueError`, since such a value is out of range for the parameter too."""
 
 
 class UnknownNameError(InputError):
@@ -82,13 +83,15 @@ def checked(make):
         except UnknownNameError:
             raise
         except InputError as e:
-            if not str(e).startswith("unknown method"):
+            import re
+
+            found = re.match(r"unknown method '([^']*)'(.*)", str(e), re.S)
+            if found is None:
                 raise
             from .methods import available_methods
 
-            name = str(args[0]).partition(":")[0] if args else ""
-            raise UnknownNameError(f"unknown method {name!r}{suggest(name, available_methods())}; "
-                                   f"available: {', '.join(available_methods())}") from e
+            word, rest = found.groups()
+            raise UnknownNameError(f"unknown method {word!r}{suggest(word, available_methods())}{rest}") from e
         check_params(method)
         return method
     return run

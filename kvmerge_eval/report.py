@@ -121,7 +121,7 @@ def _heatmaps(raw, folder) -> Path:
         grid = [[sum(cells[key][(d, n)]) / len(cells[key][(d, n)]) if cells[key][(d, n)] else float("nan")
                  for n in lengths] for d in depths]
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        ax.set_title(f"{key[0]} {key[1]:g}", fontsize=8)
+        ax.set_title("full cache" if key[0] == "full" else f"{key[0]} at {key[1]:.0%}", fontsize=8)
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=6)
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=6)
     for ax in axes.flat[len(panels):]:

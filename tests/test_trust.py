@@ -183,3 +183,18 @@ def test_smollm2_answers_two_questions_from_one_compressed_cache():
         tokens = out.tokens[0]
         assert len(tokens) == 24 or tokens[-1] in ends  # stopped at the end of its turn
         assert not any(t in ends for t in tokens[:-1]) and "<|im_start|>" not in tok.decode(tokens)
+
+
+def test_model_names_are_checked_before_anything_loads(monkeypatch, tmp_path):
+    from kvmerge.errors import UnknownNameError
+
+    with pytest.raises(UnknownNameError, match=r"'gemma-3-270m' \(did you mean gemma3-270m\?\); bundled models: "
+                                               r"smollm2-135m, gemma3-270m"):
+        kvmerge.load_model("gemma-3-270m")
+    with pytest.raises(InputError, match="no model at ./missing"):
+        kvmerge.load_model("./missing")
+    with pytest.raises(InputError, match="folder without a model"):
+        kvmerge.load_model(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(InputError, match="not in the local Hugging Face cache and HF_HUB_OFFLINE is set"):
+        kvmerge.load_model("nobody/no-such-model")
