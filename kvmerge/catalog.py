@@ -185,6 +185,14 @@ def split_spec(spec: str) -> tuple[str, dict]:
     return name, params
 
 
+def row(name: str) -> dict | None:
+    """The table's row of a method or preset name (an old name resolved), or None."""
+    data = {_normal(r["name"]): r for r in rows()}
+    for r in list(data.values()):
+        data.update({_normal(a): r for a in r["aliases"]})
+    return data.get(_normal(name))
+
+
 def check_spec(spec: str) -> None:
     """Refuse, from the table alone (no torch once it is cached), a spec whose method is unknown, or
     that names a parameter the method lacks or gives one a value of the wrong type; close names are
@@ -192,20 +200,17 @@ def check_spec(spec: str) -> None:
     from .errors import ParameterTypeError, UnknownNameError, check_value, suggest
 
     name, params = split_spec(spec)
-    data = {_normal(r["name"]): r for r in rows()}
-    for r in list(data.values()):
-        data.update({_normal(a): r for a in r["aliases"]})
-    row = data.get(_normal(name))
-    if row is None:
-        names = sorted({r["name"] for r in data.values()} | {a for r in data.values() for a in r["aliases"]})
+    found = row(name)
+    if found is None:
+        names = sorted({r["name"] for r in rows()} | {a for r in rows() for a in r["aliases"]})
         raise UnknownNameError(f"unknown method {name!r}{suggest(name, names)}; `kvmerge methods` lists them")
-    if not params or not row["params"]:
+    if not params or not found["params"]:
         return
-    declared = {p: (default, accepted) for p, default, _t, accepted in row["params"]}
-    known = set(declared) | set(row["ties"])
+    declared = {p: (default, accepted) for p, default, _t, accepted in found["params"]}
+    known = set(declared) | set(found["ties"])
     for key, value in params.items():
         if key not in known and not key.startswith("base."):
-            raise ParameterTypeError(f"{row['name']} has no parameter {key!r}{suggest(key, known)}; "
-                                     f"`kvmerge methods {row['name']}` lists its parameters")
+            raise ParameterTypeError(f"{found['name']} has no parameter {key!r}{suggest(key, known)}; "
+                                     f"`kvmerge methods {found['name']}` lists its parameters")
         if key in declared:
-            check_value(row["name"], key, value, declared[key][1], declared[key][0])
+            check_value(found["name"], key, value, declared[key][1], declared[key][0])

@@ -50,13 +50,33 @@ def read_text(name: str, what: str = "--context") -> str:
     return text
 
 
-def method(spec: str, budget=None):
+def protected(spec: str) -> int:
+    """sinks + window of the method `spec` names, from the methods table (no torch)."""
+    import ast
+
+    from . import catalog
+
+    name, params = catalog.split_spec(spec)
+    row = catalog.row(name)
+    defaults = {p: d for p, d, _t, _a in row["params"]} if row else {}
+    value = {k: params.get(k, ast.literal_eval(defaults.get(k, "0"))) for k in ("sinks", "window")}
+    return sum(v for v in value.values() if isinstance(v, int))
+
+
+def method(spec: str, budget=None, chunk: int | None = None):
     """The method of `spec` with `budget`, checked: a known name (close names suggested), known
-    parameters of the declared types (both from the methods table first, without torch), a budget it
-    accepts."""
+    parameters of the declared types, an int budget and a `chunk` above its protected tokens (all
+    from the methods table first, without torch), then the method's own checks."""
     from . import catalog
 
     catalog.check_spec(spec)
+    keep = protected(spec)
+    if isinstance(budget, int) and budget < keep and catalog.split_spec(spec)[0] != "full":
+        raise InputError(f"--budget {budget} entries is below the {keep} tokens every method keeps (the first and "
+                         f"the last ones); a fraction of the context is written with a point, e.g. 1.0 or 0.25")
+    if chunk is not None and chunk < keep and catalog.split_spec(spec)[0] != "full":
+        raise InputError(f"--prefill-chunk {chunk} is below the protected first and last tokens ({keep}): every "
+                         f"chunk would be kept whole; use at least {keep}")
 
     from .errors import check_params, refusing
     from .methods import method_from_spec
@@ -136,7 +156,7 @@ def generate(args) -> int:
     if split_spec(args.method)[1].get("sliding") is not None:  # refused before torch loads, where it can be
         runs_here(argparse.Namespace(name=split_spec(args.method)[0], sliding=split_spec(args.method)[1]["sliding"]),
                   args.model, None)
-    m = method(args.method, args.budget)
+    m = method(args.method, args.budget, args.prefill_chunk)
     runs_here(m, args.model, args.prefill_chunk, len(text))
     device(args.device)
 
@@ -192,9 +212,6 @@ def eval(args) -> int:  # noqa: A001 - the command's name
         print(s.report(suite, args.out, args.models))
         return 0
     model_name(args.model)
-    for spec in args.methods:
-        m = method(spec, args.budgets[0])
-        runs_here(m, args.model, args.prefill_chunk)
     if args.text is not None:
         genres = _eval("corpus").GENRES
         if args.text not in genres:
@@ -202,6 +219,9 @@ def eval(args) -> int:  # noqa: A001 - the command's name
                 raise InputError(f"--text {args.text!r} is neither a genre{suggest(args.text, genres)} ("
                                  f"{', '.join(genres)}) nor a file")
             read_text(args.text, "--text")
+    for spec in args.methods:
+        m = method(spec, args.budgets[0], args.prefill_chunk)
+        runs_here(m, args.model, args.prefill_chunk)
     from .model import load_model
 
     runner, report = _eval("runner"), _eval("report")
