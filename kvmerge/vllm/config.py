@@ -69,12 +69,12 @@ def settings_of(additional_config) -> Settings | None:
 
 
 def refusal(method: Method) -> str | None:
-    """Why the plugin cannot run `method` (None: it can), from its declared needs
+    """Why the plugin cannot run `method` (None: it can), every reason, from its declared needs
     (`kvmerge.capabilities`). The plugin compresses each prompt once, after the prompt's prefill
     (inside each layer's attention, or after the last layer for methods that need each token's
     surprisal), with one slot count for every layer and head."""
     reasons = refusals(method, "vllm")
-    return reasons[0] if reasons else None
+    return "; and ".join(reasons) if reasons else None
 
 
 def padded_head_size(head_size: int) -> int:
