@@ -111,12 +111,9 @@ def _check_methods(runs, where) -> None:
     for r in runs:
         for m in r.methods:
             try:
-                method = method_from_spec(m, r.budgets[0])
+                method_from_spec(m, r.budgets[0])
             except (ValueError, TypeError, KeyError) as e:
                 raise ValueError(f"{where}: method {m!r}: {e}") from e
-            if r.prefill_chunk and getattr(method, "alloc", "uniform") != "uniform":
-                raise ValueError(f"{where}: run {r.label!r}: method {m!r} allocates one budget over every layer at "
-                                 "once (alloc), which prefill_chunk cannot do; give this run its own methods")
 
 
 def folder(suite: Suite, model: str, root="results") -> Path:
@@ -239,6 +236,32 @@ def totals(suite: Suite, model: str, cells: list[dict], budgets=None) -> str | N
     return "\n".join(lines)
 
 
+def averages(suite: Suite, model: str, cells: list[dict], budgets=None) -> str | None:
+    """For runs of tasks with subtasks averaged as a benchmark (RULER): per method and budget, the mean
+    score over every subtask's samples (each subtask's mean weighted by its samples: the mean of the
+    subtask means when every subtask has as many), with the samples; the budget also named as
+    kvpress's compression ratio. None when the suite has no such run."""
+    runs = [r for r in suite.runs if model in r.models and r.task == "ruler-real"]
+    if not runs:
+        return None
+    shown = sorted({b for r in runs for b in r.budgets if budgets is None or b in budgets}, reverse=True)
+    lengths = sorted({n for r in runs for n in r.lengths})
+    cols = [(n, b) for n in lengths for b in shown]
+    head = ["method (RULER average)"] + [f"{n / 1024:g}k {b:.0%} (ratio {1 - b:.2f})" for n, b in cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    tasks = {t for r in runs for _name, t, _n, _b in columns(r)}
+    for label in dict.fromkeys(m for r in runs for m in r.labels()):
+        out = []
+        for n, b in cols:
+            rs = [c for c in cells if c["method"] == label and c["task"] in tasks and c["length"] == n
+                  and c["budget"] == _budget(label, b)]
+            total = sum(c["n"] for c in rs)
+            out.append("–" if not rs else f"{sum(c['score'] * c['n'] for c in rs) / total:.1%} ({len(rs)} tasks, {total})")
+        if any(x != "–" for x in out):
+            lines.append(f"| {label} | " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
 def report(suite: Suite, root="results", models=None, budgets=None) -> str:
     """The suite's tables, one per model with results, each under `#### <model>`, headed by the command
     that regenerates them and the dates its rows were measured."""
@@ -253,9 +276,9 @@ def report(suite: Suite, root="results", models=None, budgets=None) -> str:
         dates = sorted({r["date"] for r in raw if "date" in r})
         when = f"measured {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else "") if dates else "undated"
         parts += ["", f"#### {model} ({when}; samples per cell in brackets)", "", table(suite, model, raw, budgets)]
-        summed = totals(suite, model, _cells(raw), budgets)
-        if summed:
-            parts += ["", summed]
+        for extra in (totals(suite, model, _cells(raw), budgets), averages(suite, model, _cells(raw), budgets)):
+            if extra:
+                parts += ["", extra]
     if not found:
         raise FileNotFoundError(f"no results for suite {suite.name!r} under {Path(root) / suite.name}: "
                                 f"run `kvmerge eval --suite {suite.name}` first")
