@@ -14,7 +14,7 @@ import importlib
 import sys
 import types
 
-from .errors import KVMergeError
+from .errors import KVMergeError  # noqa: F401 - public, in __all__
 
 __version__ = "0.2.0"
 

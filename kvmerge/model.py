@@ -10,8 +10,12 @@ import math
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import InputError, UnknownNameError, UnsupportedError, suggest
+
+if TYPE_CHECKING:
+    import torch
 
 # Decoder-only RoPE models whose attention goes through transformers' attention interface with the
 # cache's `update(..., kwargs=...)` dict passed on to it (checked on tiny configs: tests/test_architectures.py).
@@ -212,8 +216,8 @@ def _convert_once(name: str) -> Path:
     return target
 
 
-def load_model(name_or_path: str | os.PathLike | None = None, dtype: "torch.dtype | None" = None,
-               device: "str | torch.device | None" = None):
+def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
+               device: str | torch.device | None = None):
     """Return `(model, tokenizer)`, checked for kvmerge, in eval mode on `device`.
 
     None: the bundled SmolLM2-135M-Instruct; `"gemma3-270m"`: the bundled Gemma-3-270M base (hybrid
