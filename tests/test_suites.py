@@ -40,8 +40,6 @@ def _write(tmp_path, text):
      "method 'nosuch'"),
     ('models = ["m"]\n[[run]]\ntask = "niah"\nmethods = ["full"]\nbudgets = [0.5]\nsamples = 1', "missing lengths"),
     ('title = "no runs"', "at least one"),
-    ('models = ["m"]\n[[run]]\ntask = "niah"\nmethods = ["zipmerge"]\nbudgets = [0.5]\nlengths = [9]\nsamples = 1\n'
-     'prefill_chunk = 4', "method 'zipmerge' allocates one budget over every layer at once"),
 ])
 def test_bad_suites_are_refused_by_name(tmp_path, text, error):
     with pytest.raises(ValueError, match=error):
@@ -159,6 +157,10 @@ def test_every_table_in_the_results_doc_names_a_suite_a_command_and_its_columns(
             for col in head[1:]:
                 m = re.fullmatch(r"(\w+) (\S+ \d+%) \(\d genres\)", col)
                 assert m and m.groups() in families, f"{name}/{model}: summed column {col!r} is not the suite's"
+        elif head[0] == "method (RULER average)":  # suites.averages: length × budget of the suite's RULER runs
+            want = {f"{n / 1024:g}k {b:.0%} (ratio {1 - b:.2f})" for r in suite.runs if model in r.models
+                    and r.task == "ruler-real" for n in r.lengths for b in r.budgets}
+            assert set(head[1:]) <= want, f"{name}/{model}: average columns {head[1:]} are not the suite's"
         else:
             assert head == suites.header(suite, model), f"{name}/{model}: columns differ from the suite's"
         labels = {m for r in suite.runs if model in r.models for m in r.labels()}
