@@ -10,7 +10,7 @@ from kvmerge.methods.base import LayerContext
 from .conftest import TinyTokenizer, random_ids, tiny_model
 
 # zipmerge's global allocation needs rows without padding (tests/test_alloc.py): here, its uniform form
-EXTRA = {"semanticache": {"chunking": "fixed"}, "kvzip": {"alloc": "uniform"}, "learnedzip": {"alloc": "uniform"}, "zipmerge": {"alloc": "uniform"}, "zipguardmerge": {"alloc": "uniform"}}
+EXTRA = {"semanticache": {"chunking": "fixed"}, "kvzip": {"alloc": "uniform"}, "learnedzip": {"alloc": "uniform"}, "learnedmerge": {"alloc": "uniform"}, "zipmerge": {"alloc": "uniform"}, "zipguardmerge": {"alloc": "uniform"}}
 LAYER_ADAPTIVE = {"pyramidkv", "d2o"}  # per-layer budgets: the total, not each layer, meets the budget
 
 

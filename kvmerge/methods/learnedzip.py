@@ -20,11 +20,22 @@ class LearnedZip(CarriedScores, ScoringMethod):
     shipped with Python and Perl (`kvmerge train-scorer`). No second forward: the prefill's own
     queries, un-rotated. Selection as any `ScoringMethod`; by default KVzip's global per-head
     allocation (`alloc="head"`), which also runs under a chunked prefill (each chunk's entries scored
-    as it arrives, kept entries keep their scores)."""
+    as it arrives, kept entries keep their scores).
+
+    `sharpen`: the scores are exp(`sharpen` × the prediction). A monotone change: the picks, global
+    allocation included, do not depend on it; as merge weights (`learnedmerge`) a larger `sharpen`
+    lets an entry predicted low move the entry it joins less (a ridge's predictions are shrunk towards
+    their mean, so their spread is below the true scores')."""
 
     alloc: str = "head"
+    sharpen: float = 1.0
     name = "learnedzip"
     requires = Needs(queries=-1, rotary=True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.sharpen > 0:
+            raise ValueError(f"learnedzip needs sharpen > 0, got {self.sharpen}")
 
     def setup(self, runtime):
         if runtime.config is None:
@@ -38,5 +49,5 @@ class LearnedZip(CarriedScores, ScoringMethod):
         cos, sin = self._rotary(torch.arange(ctx.seen - fresh, ctx.seen))
         q = unrotate(ctx.queries[:, :, -fresh:].float(), cos, sin)
         k = unrotate(keys[:, :, -fresh:].float(), cos, sin)
-        predicted = self._scorer.predict(ctx.layer_idx, q, k, ctx.values[:, :, -fresh:]).exp()
+        predicted = (self.sharpen * self._scorer.predict(ctx.layer_idx, q, k, ctx.values[:, :, -fresh:])).exp()
         return self.with_carried(predicted, keys.shape[2], ctx)
