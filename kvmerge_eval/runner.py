@@ -62,7 +62,9 @@ def run(task, model, tok, methods, budgets, lengths, samples, out_dir, protocol=
         indent=1))
     todo = [(s, m, b) for s in data for m, b in configs if run_key(label(m), b, s.meta) not in done]
     with path.open("a") as f, tqdm(total=len(todo), desc=task, unit="run") as bar:
-        for prompt, jobs in _by_prompt(task, tok, todo, protocol).items():
+        groups = _by_prompt(task, tok, todo, protocol)
+        for i, (prompt, jobs) in enumerate(groups.items()):
+            bar.set_postfix_str(f"prompt {i + 1}/{len(groups)}: {len(prompt)} tokens, {len(jobs)} runs")
             for row in _run_prompt(task, model, tok, list(prompt), jobs, protocol, prefill_chunk):
                 f.write(json.dumps(row) + "\n")
                 f.flush()
@@ -102,12 +104,13 @@ def _by_prompt(task, tok, todo, protocol) -> dict:
 
 
 def _run_prompt(task, model, tok, ctx, jobs, protocol, chunk=None):
+    """Yield each job's row as soon as it is measured (one prefill, one compression per config)."""
     configs = list(dict.fromkeys((m, b) for _, m, b, _ in jobs))
     question = 0  # under the aware protocol the question stays inside the protected window
     kind = get_task(task)
     if protocol == "aware" and not kind.teacher_forced:
         question = len(prompt_ids(tok, jobs[0][0], task)[1])
-    rows, references = [], {}  # a fidelity sample's (context, continuation) → its full-cache log-probs
+    references = {}  # a fidelity sample's (context, continuation) → its full-cache log-probs
     for spec, budget, session, logits in compressed_once(model, tok, [ctx], configs, question, chunk):
         base = {"method": f"{spec}@chunk{chunk}" if chunk else spec, "budget": budget,
                 "date": datetime.date.today().isoformat()}
@@ -118,7 +121,7 @@ def _run_prompt(task, model, tok, ctx, jobs, protocol, chunk=None):
                 key = (tuple(s.context), tuple(s.answer))  # its full-cache log-probs, once per prompt
                 if key not in references:
                     references[key] = fidelity.continuation_logits(model, s.context, s.answer)
-                rows.append({**base, **s.meta, **fidelity.compare(references[key], logp, s.answer)})
+                yield {**base, **s.meta, **fidelity.compare(references[key], logp, s.answer)}
             continue
         stats = cache_stats(session, [ctx], protocol)
         compressed = session.snapshot()
@@ -128,10 +131,8 @@ def _run_prompt(task, model, tok, ctx, jobs, protocol, chunk=None):
             out = decode(session, first, dict(stats), kind.max_new_tokens(s), tok.eos_token_id)
             text = tok.decode(out.tokens[0], skip_special_tokens=True)
             text = text if s.meta.get("raw") else text.strip()
-            rows.append({**base, **s.meta, "answer": s.answer, "prediction": text, "score": kind.score(text, s),
-                         **{k: stats[k] for k in ("cache_bytes", "full_cache_bytes", "compress_seconds",
-                                                  "prefill_seconds")}})
-    return rows
+            yield {**base, **s.meta, "answer": s.answer, "prediction": text, "score": kind.score(text, s),
+                   **{k: stats[k] for k in ("cache_bytes", "full_cache_bytes", "compress_seconds", "prefill_seconds")}}
 
 
 def _read(path) -> list[dict]:
