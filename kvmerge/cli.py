@@ -171,6 +171,17 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("suites", help="the named benchmark suites (kvmerge eval --suite NAME)", formatter_class=fmt)
 
+    train = sub.add_parser("train-scorer", help="fit learnedzip's scorer for a model (about 15 min on a CPU)",
+                           formatter_class=fmt, epilog=EPILOG)
+    train.add_argument("--model", default=None, help=f"{model_help} (default: smollm2-135m)")
+    train.add_argument("--texts", type=_positive, default=100, help="training pieces of --length tokens")
+    train.add_argument("--held", type=_positive, default=6, help="held-back pieces the agreement with KVzip is read on")
+    train.add_argument("--length", type=_positive, default=1024, help="tokens per piece")
+    train.add_argument("--seed", type=int, default=0, help="the pieces' order and split")
+    train.add_argument("--ridge", type=float, default=1e-2, help="penalty, relative to the features' mean square")
+    train.add_argument("--out", default=None, help="weights file (default: under the cache dir, where learnedzip "
+                                                    "finds them)")
+
     ev = sub.add_parser("eval", help="accuracy / fidelity per method and budget on a task, or a named suite",
                         formatter_class=fmt, epilog=EPILOG)
     ev.add_argument("--suite", default=None, help="run a named suite (kvmerge suites) into <out>/<suite>/<model>/; "

@@ -100,6 +100,8 @@ MISTAKES = [  # argv, what the line must say
     (["demo", "--methods", "full,expectmerg"], "unknown method 'expectmerg' (did you mean expectmerge"),
     (["demo", "--length", "0"], "--length"),
     (["methods", "snapvk"], "unknown method 'snapvk' (did you mean snapkv?)"),
+    (["train-scorer", "--model", "gemma-3-270m"], "unknown model 'gemma-3-270m' (did you mean gemma3-270m?)"),
+    (["train-scorer", "--texts", "0"], "argument --texts"),
 ]
 
 
