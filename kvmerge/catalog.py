@@ -157,32 +157,10 @@ def _normal(name: str) -> str:
 
 
 def split_spec(spec: str) -> tuple[str, dict]:
-    """`name[:param=value...]` → (name, params), as `kvmerge.methods.registry.parse_spec` reads it
-    (values JSON, a bare word a string), without importing the methods."""
-    from .errors import InputError
+    """`name[:param=value...]` → (name, params) (`kvmerge.spec.parse_spec`), without importing the methods."""
+    from .spec import parse_spec
 
-    parts, depth, quoted, start = [], 0, False, 0
-    for i, c in enumerate(spec):
-        if c == '"':
-            quoted = not quoted
-        elif not quoted and c in "[{":
-            depth += 1
-        elif not quoted and c in "]}":
-            depth -= 1
-        elif c == ":" and depth == 0 and not quoted:
-            parts.append(spec[start:i])
-            start = i + 1
-    name, *rest = parts + [spec[start:]]
-    params = {}
-    for p in rest:
-        key, sep, value = p.partition("=")
-        if not sep:
-            raise InputError(f"method spec {spec!r}: expected param=value, got {p!r}")
-        try:
-            params[key] = json.loads(value)
-        except ValueError:
-            params[key] = value
-    return name, params
+    return parse_spec(spec)
 
 
 def row(name: str) -> dict | None:

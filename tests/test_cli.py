@@ -163,13 +163,17 @@ def test_methods_table_says_what_each_does_its_cost_and_where_it_runs(capsys):
     assert "kernel = 7  (int)" in capsys.readouterr().out
 
 
-def test_spec_reading_without_torch_matches_the_registry():
-    from kvmerge.catalog import split_spec
-    from kvmerge.methods.registry import parse_spec
+def test_specs_are_read_at_colons_outside_brackets_and_values_as_json():
+    from kvmerge.spec import parse_spec
 
-    for spec in ["snapkv", "snapkv:kernel=5:window=8", 'evictmerge:base={"name":"snapkv","kernel":3}:recent=0.5',
-                 "zipguardmerge:fallback=surprisal+echo", 'kvzip:alloc="fit":plus=true', "full:sliding=0.75"]:
-        assert split_spec(spec) == parse_spec(spec), spec
+    assert parse_spec("snapkv") == ("snapkv", {})
+    assert parse_spec("snapkv:kernel=5:window=8") == ("snapkv", {"kernel": 5, "window": 8})
+    assert parse_spec('evictmerge:base={"name":"snapkv","kernel":3}:recent=0.5') == (
+        "evictmerge", {"base": {"name": "snapkv", "kernel": 3}, "recent": 0.5})
+    assert parse_spec("zipguardmerge:fallback=surprisal+echo") == ("zipguardmerge", {"fallback": "surprisal+echo"})
+    assert parse_spec('kvzip:alloc="fit":plus=true') == ("kvzip", {"alloc": "fit", "plus": True})
+    with pytest.raises(ValueError, match="expected param=value"):
+        parse_spec("snapkv:kernel")
 
 
 def test_help_and_methods_answer_without_torch(tmp_path):

@@ -3,9 +3,9 @@ and their older names, and spec strings (`"evictmerge:base=h2o:min_cosine=0.5"`)
 
 from __future__ import annotations
 
-import json
 from dataclasses import MISSING, fields
 
+from ..spec import parse_spec
 from .base import Method
 from .presets import PRESETS
 
@@ -68,37 +68,6 @@ def get_method(name: str, **params) -> Method:
                 spec.setdefault("alloc", "uniform")
             params[key] = get_method(**spec)
     return cls(**params)
-
-
-def split_spec(spec: str) -> list[str]:
-    """`spec` split at the colons outside brackets, braces and quotes."""
-    parts, depth, quoted, start = [], 0, False, 0
-    for i, c in enumerate(spec):
-        if c == '"':
-            quoted = not quoted
-        elif not quoted and c in "[{":
-            depth += 1
-        elif not quoted and c in "]}":
-            depth -= 1
-        elif c == ":" and depth == 0 and not quoted:
-            parts.append(spec[start:i])
-            start = i + 1
-    return parts + [spec[start:]]
-
-
-def parse_spec(spec: str) -> tuple[str, dict]:
-    """`name[:param=value...]` → (name, params); values are JSON (a bare word is a string)."""
-    name, *params = split_spec(spec)
-    kwargs = {}
-    for p in params:
-        key, sep, value = p.partition("=")
-        if not sep:
-            raise ValueError(f"method spec {spec!r}: expected param=value, got {p!r}")
-        try:
-            kwargs[key] = json.loads(value)
-        except json.JSONDecodeError:
-            kwargs[key] = value
-    return name, kwargs
 
 
 def method_from_spec(spec: str, budget: float | int | None = None) -> Method:

@@ -1,0 +1,35 @@
+"""Method specs (`"evictmerge:base=h2o:min_cosine=0.5"`) read in one place, with no heavy import (the
+command line reads them before torch loads)."""
+
+from __future__ import annotations
+
+import json
+
+from .errors import InputError
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """`name[:param=value...]` → (name, params): split at the colons outside brackets, braces and
+    quotes; each value is JSON (a bare word is a string)."""
+    parts, depth, quoted, start = [], 0, False, 0
+    for i, c in enumerate(spec):
+        if c == '"':
+            quoted = not quoted
+        elif not quoted and c in "[{":
+            depth += 1
+        elif not quoted and c in "]}":
+            depth -= 1
+        elif c == ":" and depth == 0 and not quoted:
+            parts.append(spec[start:i])
+            start = i + 1
+    name, *rest = parts + [spec[start:]]
+    params = {}
+    for p in rest:
+        key, sep, value = p.partition("=")
+        if not sep:
+            raise InputError(f"method spec {spec!r}: expected param=value, got {p!r}")
+        try:
+            params[key] = json.loads(value)
+        except ValueError:
+            params[key] = value
+    return name, params
