@@ -52,7 +52,7 @@ def test_guardmerge_evicts_in_gemmas_copy_heads_and_keeps_the_needle_merging_the
     s = build_samples("niah", tok, [2048], 10, text="docs")[3]
     ctx, q = prompt_ids(tok, s)
     caches, answers = {}, {}
-    evicting = f"zipguard:alloc=head:fallback={kvmerge.get_method('guardmerge').fallback}"  # guardmerge's picks
+    evicting = f"zipguard:alloc=head:fallback={kvmerge.get_method('guardmerge').base.fallback}"  # guardmerge's picks
     specs = ["guardmerge", evicting, "zipmerge:base=zipguard"]
     with torch.inference_mode():
         for spec, _b, session, _ in compressed_once(model, tok, [ctx], [(m, 0.1) for m in specs]):
