@@ -26,8 +26,9 @@ def refusals(method, runtime: str) -> list[str]:
                    "reconstruction); the plugin compresses inside one forward and has no second pass")
     if needs.head_counts or needs.layer_counts:
         what = f": alloc={method.alloc!r} gives" if is_global(method) else " sets per-layer budgets, giving"
+        hint = f" ({name}:alloc=uniform runs there)" if is_global(method) else ""
         out.append(f"{name}{what} layers or heads different entry counts; vLLM's block table is shared by every "
-                   "layer and head of a request, so each keeps the same count")
+                   f"layer and head of a request, so each keeps the same count{hint}")
     if needs.sliding:
         out.append(f"{name}: sliding={method.sliding} shortens sliding-window layers; the plugin serves models with "
                    "full-attention layers only")
