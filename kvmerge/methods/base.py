@@ -295,6 +295,18 @@ class ScoringMethod(Method):
         return KV(keys, values, log_n).take(idx)
 
 
+def check_scoring_part(owner: Method, part: str) -> None:
+    """Raise unless `owner`'s part `part` is a `ScoringMethod` with uniform counts: a composite that uses
+    a part's scores (not its selection) would silently ignore the part's own global allocation."""
+    got = getattr(owner, part)
+    if not isinstance(got, ScoringMethod):
+        raise TypeError(f"{owner.name}'s {part} must be a scoring method (one that defines scores), "
+                        f"got {type(got).__name__}")
+    if got.alloc != "uniform":
+        raise ValueError(f"{owner.name} uses its {part}'s scores, not its selection: {part}'s alloc={got.alloc!r} "
+                         f"would be ignored" + (f"; set {owner.name}'s own alloc" if hasattr(owner, "alloc") else ""))
+
+
 class CarriedScores:
     """For a `ScoringMethod` whose scores come from the prompt's tokens (not from the cache), so that
     under chunked prefill only the fresh slots can be scored: the entries an earlier compression kept

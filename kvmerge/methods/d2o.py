@@ -10,7 +10,7 @@ import torch
 from ..ops.kv import KV, gather_slots
 from ..ops.merge import nearest_kept, weighted_mean
 from ..ops.scores import received_attention, top_slots
-from .base import Method, Needs, ScoringMethod
+from .base import Method, Needs, ScoringMethod, check_scoring_part
 from .h2o import H2O
 from .registry import register
 
@@ -44,11 +44,7 @@ class D2O(Method):
         super().__post_init__()
         if not (0.0 <= self.ema < 1.0) or self.max_ratio < 1.0:
             raise ValueError(f"need 0 <= ema < 1 and max_ratio >= 1, got ema={self.ema}, max_ratio={self.max_ratio}")
-        if not isinstance(self.base, ScoringMethod):
-            raise TypeError(f"d2o's base must be a scoring method (one that defines scores), got {type(self.base).__name__}")
-        if self.base.alloc != "uniform":
-            raise ValueError(f"d2o uses its base's scores with its own layer budgets: the base's alloc={self.base.alloc!r} "
-                             "would be ignored")
+        check_scoring_part(self, "base")
         self._scale: list[float] = []
         self._tau: float | None = None
 

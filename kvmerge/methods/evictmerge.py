@@ -6,7 +6,7 @@ import torch
 
 from ..ops.merge import merge_into_kept
 from ..ops.scores import fill_protected, received_attention, saturated_heads, top_slots, top_slots_per_head
-from .base import Needs, ScoringMethod
+from .base import Needs, ScoringMethod, check_scoring_part
 from .expected_attention import ExpectedAttention
 from .registry import register
 from .snapkv import SnapKV
@@ -76,12 +76,7 @@ class EvictMerge(ScoringMethod):
         self._expected = (self.base if isinstance(self.base, ExpectedAttention) else ExpectedAttention()) \
             if self.calibrate and self.calibrate_with == "expected" else None
         for part in ("base", "exact_by"):
-            if not isinstance(getattr(self, part), ScoringMethod):
-                raise TypeError(f"{part} must be a scoring method (one that defines scores), "
-                                f"got {type(getattr(self, part)).__name__}")
-            if getattr(getattr(self, part), "alloc", "uniform") != "uniform":
-                raise ValueError(f"{self.name} uses its {part}'s scores, not its selection: {part}'s "
-                                 f"alloc={getattr(self, part).alloc!r} would be ignored; set {self.name}'s own alloc")
+            check_scoring_part(self, part)
         if self.alloc != "uniform" and (self.exact > 0 or self.recent > 0):
             raise ValueError(f"{self.name}: alloc={self.alloc!r} spends the whole budget by {self.name}'s scores over "
                              f"every layer and head; a fixed recent share (recent={self.recent}) or exact share "

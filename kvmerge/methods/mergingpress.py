@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from ..ops.kv import KV
 from ..ops.merge import fold_values
 from ..ops.scores import top_slots
-from .base import Needs, ScoringMethod
+from .base import Needs, ScoringMethod, check_scoring_part
 from .expected_attention import ExpectedAttention
 from .registry import register
 
@@ -39,11 +39,7 @@ class MergingPress(ScoringMethod):
             raise ValueError(f"similarity_threshold must be in [0, 1], got {self.similarity_threshold}")
         if not 0.0 < self.merge_fraction <= 1.0:
             raise ValueError(f"merge_fraction must be in (0, 1], got {self.merge_fraction}")
-        if not isinstance(self.base, ScoringMethod):
-            raise TypeError(f"base must be a scoring method (one that defines scores), got {type(self.base).__name__}")
-        if self.base.alloc != "uniform":
-            raise ValueError(f"{self.name} uses its base's scores, not its selection: base's alloc={self.base.alloc!r} "
-                             "would be ignored")
+        check_scoring_part(self, "base")
 
     requires = Needs(merges=True)
 
