@@ -57,7 +57,8 @@ class Allocation:
 
     @classmethod
     def of(cls, method, contexts: list[tuple], target: int, window: int) -> Allocation:
-        """`contexts`: per layer `(kv, ctx)` of every row; `target`: the uniform count per head. Empty
+        """`contexts`: per layer `(kv, ctx)` of every row, an iterable read once (a generator keeps one
+        layer's tensors alive at a time); `target`: the uniform count per head. Empty
         slots (a head's padding from an earlier global compression: log-mass −inf) score −inf, so
         that no head keeps one while it has an entry (a chunked prefill compresses such a cache again)."""
         check_global(method)

@@ -280,9 +280,9 @@ class Session:
                 raise ValueError(f"{method.name}: alloc={method.alloc!r} spreads one budget over every layer at once, "
                                  "so it needs rows without padding (one row, or rows of one length) and a method "
                                  "without a decode policy")
-            allocation = Allocation.of(method, [(kv, context(i, kv, rows, state)) for i, (kv, state) in
-                                                enumerate((layer.kv(), state) for layer, state in zip(layers, states))],
-                                       target, window)
+            allocation = Allocation.of(method, ((kv, context(i, kv, rows, state)) for i, (kv, state) in  # one layer
+                                                enumerate((layer.kv(), state) for layer, state in zip(layers, states))),
+                                       target, window)  # at a time: a layer's copies are freed once it is scored
         compressed = torch.zeros(len(self.seen), dtype=torch.bool)
         for i, (layer, state) in enumerate(zip(layers, states)):
             state.targets = torch.zeros(layer.keys.shape[0], dtype=torch.long)
