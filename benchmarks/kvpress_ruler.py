@@ -141,7 +141,7 @@ def run(args) -> None:
             sys.exit(f"unknown press {name!r}; presses: {', '.join(registry)}")
     ratios = [float(r) for r in args.ratios.split(",")]
     data = load_samples(args.model, args.length, args.samples, args.tasks.split(",") if args.tasks else TASKS)
-    data = data[: args.limit]
+    data = sorted(data, key=lambda r: r["index"])[: args.limit]  # every task's first sample first, as the suite
     score = scorer()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -195,7 +195,7 @@ def main(argv=None) -> None:
     p.add_argument("--presses", default="snapkv", help="comma list of: " + ", ".join(PRESS_NAMES))
     p.add_argument("--ratios", default="0.5,0.75,0.9", help="kvpress compression ratios (budget = 1 - ratio)")
     p.add_argument("--out", default="results/kvpress_ruler.jsonl")
-    p.add_argument("--limit", type=int, default=None, help="the first N samples only")
+    p.add_argument("--limit", type=int, default=None, help="the first N samples only (every task's first sample first)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     run(p.parse_args(argv))
 
