@@ -4,6 +4,10 @@ memory limit with a full cache, answered with chunked compression under the same
 
     python -m kvmerge_eval.memory --model gemma3-270m --method snapkv --lengths 4096,8192 --chunk 1024
     python -m kvmerge_eval.memory --model gemma3-270m --method snapkv --lengths 32768 --chunk 1024 --cap-gb 5
+    python -m kvmerge_eval.memory --model gemma3-270m --method snapkv,learnedzip --lengths 16384 --chunk 1024 --compare
+
+`--compare`: chunked prefills only, one row per method, with each method's memory above the loaded
+model as a ratio to the first method's (chunked SnapKV is the reference a bounded prefill is held to).
 """
 
 from __future__ import annotations
@@ -77,6 +81,28 @@ def table(model, spec, budget, lengths, chunk) -> list[dict]:
     return rows
 
 
+def compare(model, specs, budget, lengths, chunk) -> list[dict]:
+    """Chunked prefills of several methods, each in a fresh process: rows with the ratio of each one's
+    RSS above the loaded model to the first method's at the same length."""
+    print(f"| tokens | method, chunks of {chunk} | peak cache MB | RSS above the loaded model MB | / {specs[0]}'s "
+          "| prefill s |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for n in lengths:
+        first = None
+        for spec in specs:
+            r = in_subprocess([json.dumps([model, spec, budget, n, chunk])])
+            rows.append({"length": n, "mode": spec, **r})
+            if "failed" in r:
+                print(f"| {n} | {spec} | failed: {r['failed']} |", flush=True)
+                continue
+            above = r["peak_rss"] - r["rss_after_load"]
+            first = above if first is None else first
+            print(f"| {r['length']} | {spec} | {r['peak_cache'] / 2**20:.0f} | {above / 2**20:.0f} | "
+                  f"{above / first:.2f} | {r['prefill_s']:.1f} |", flush=True)
+    return rows
+
+
 def _line(r: dict) -> str:
     if "failed" in r:
         return f"| {r['length']} | {r['mode']} | failed: {r['failed']} |"
@@ -97,6 +123,8 @@ def main() -> None:
     p.add_argument("--lengths", default="4096,8192,16384")
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--cap-gb", type=float, default=None, help="the demonstration: run full and chunked under this cap")
+    p.add_argument("--compare", action="store_true", help="chunked only, several --method specs (comma-separated) "
+                   "side by side, as ratios to the first")
     args = p.parse_args()
     if args.one:
         if args.cap:
@@ -114,6 +142,9 @@ def main() -> None:
                       + (f"FAILED ({r['failed']})" if "failed" in r else
                          f"answer {r['answer']!r} ({'correct' if r['correct'] else 'wrong'}), "
                          f"peak RSS {r['peak_rss'] / 2**20:.0f} MB"), flush=True)
+        return
+    if args.compare:
+        compare(args.model, args.method.split(","), args.budget, lengths, args.chunk)
         return
     print(HEADER)
     table(args.model, args.method, args.budget, lengths, args.chunk)
