@@ -19,6 +19,7 @@ from .attention import kvmerge_attention
 from .cache import MergedCache
 from .capabilities import check
 from .methods import LayerContext, LayerState, Method
+from .methods.base import carry_all
 from .methods.full import Full
 from .model import check_supported, token_surprisal
 from .planner import Allocation, is_global, plan_layer, target_rule
@@ -295,6 +296,8 @@ class Session:
                 state.targets[rows] = keep
                 smaller = keep < kv.slots if alloc is None else bool((alloc[1] < kv.slots).any())
                 compressed[rows] |= smaller
+                if not smaller and running and kv.slots:  # kept whole: scores a later chunk cannot recompute
+                    carry_all(method, kv, ctx)
                 return method.compress(*kv, ctx) if smaller and kv.slots else kv
 
             if allocation is None:

@@ -196,6 +196,19 @@ def test_chunked_sliding_moves_the_same_slots_in_the_same_bytes():
     assert held.stats["cache_bytes"] == plain.stats["cache_bytes"]
 
 
+@pytest.mark.parametrize("spec", ["learnedzip", "learnedzip:alloc=uniform", "learnedmerge", "surprisemerge"])
+def test_a_chunk_that_keeps_a_layer_whole_still_carries_its_scores(spec):
+    """With the share at one slot, the first chunks' targets exceed the chunk, so a layer (or, under global
+    allocation, some layers) keeps every entry; methods whose scores come from that chunk's queries or
+    tokens must still score them then, since the next compression ranks them without those queries."""
+    model, ids = gemma3(), random_ids(120, seed=3)
+    method = kvmerge.method_from_spec(f"{spec}:window=2:sinks=1:sliding=1", 0.5)  # learnedzip: conftest's scorer
+    s = kvmerge.Session(model, 1, method, TinyTokenizer())
+    with torch.no_grad():
+        s.prefill([ids], chunk=12)
+    assert sum(layer.entries for layer in s.cache.layers[1::2]) < 2 * 120
+
+
 def test_chunked_sliding_releases_the_dropped_slots_memory():
     model, ids = gemma3(), random_ids(120, seed=3)
     s = kvmerge.Session(model, 1, kvmerge.get_method("snapkv", budget=0.25, window=4, sliding=3))

@@ -307,6 +307,18 @@ def check_scoring_part(owner: Method, part: str) -> None:
                          f"would be ignored" + (f"; set {owner.name}'s own alloc" if hasattr(owner, "alloc") else ""))
 
 
+def carry_all(method: Method, kv, ctx: LayerContext) -> None:
+    """Under a chunked prefill, a layer (or row) kept whole: every part of `method` that carries its
+    kept entries' scores (`CarriedScores`) scores them now and records all of them as kept, since the
+    chunk's queries are gone by the next compression. The cache is not changed."""
+    idx = None
+    for m in method.walk():
+        if isinstance(m, CarriedScores):
+            idx = torch.arange(kv.slots, device=kv.keys.device).expand(kv.log_n.shape) if idx is None else idx
+            m.scores(kv.keys, kv.log_n, ctx)
+            m.selected(idx, ctx)
+
+
 class CarriedScores:
     """For a `ScoringMethod` whose scores come from the prompt's tokens (not from the cache), so that
     under chunked prefill only the fresh slots can be scored: the entries an earlier compression kept
