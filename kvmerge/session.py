@@ -44,7 +44,7 @@ class Session:
         self._decoding = False
         self._probe = None  # during `probe`: its listener
         self.memo: dict = {}  # what methods computed from the cache as it is now (a new dict once it changes)
-        self.runtime = SessionRuntime(self, tokenizer)  # all a method sees of this session
+        self.runtime = SessionRuntime(self, tokenizer)  # all a method sees of the Session
         self._decode_policy = False
         if method is not None:
             self.use(method, tokenizer)
