@@ -4,6 +4,7 @@ chunked) and the vLLM plugin (`kvmerge.vllm.compress`) build every context here.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,7 @@ class Allocation:
     counts: list[torch.Tensor]
 
     @classmethod
-    def of(cls, method, contexts: list[tuple], target: int, window: int) -> Allocation:
+    def of(cls, method, contexts: Iterable[tuple], target: int, window: int) -> Allocation:
         """`contexts`: per layer `(kv, ctx)` of every row, an iterable read once (a generator keeps one
         layer's tensors alive at a time); `target`: the uniform count per head. Empty
         slots (a head's padding from an earlier global compression: log-mass −inf) score −inf, so
