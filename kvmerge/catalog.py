@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from .spec import parse_spec
+
 RUNTIME_NAMES = {"transformers": "transformers", "chunked": "chunked", "vllm": "vLLM"}
 
 
@@ -156,13 +158,6 @@ def _normal(name: str) -> str:
     return name.lower().replace("-", "").replace("_", "")
 
 
-def split_spec(spec: str) -> tuple[str, dict]:
-    """`name[:param=value...]` → (name, params) (`kvmerge.spec.parse_spec`), without importing the methods."""
-    from .spec import parse_spec
-
-    return parse_spec(spec)
-
-
 def row(name: str) -> dict | None:
     """The table's row of a method or preset name (an old name resolved), or None."""
     data = {_normal(r["name"]): r for r in rows()}
@@ -177,7 +172,7 @@ def check_spec(spec: str) -> None:
     suggested. What the table cannot tell is left to the method's own checks."""
     from .errors import ParameterTypeError, UnknownNameError, check_value, suggest
 
-    name, params = split_spec(spec)
+    name, params = parse_spec(spec)
     found = row(name)
     if found is None:
         names = sorted({r["name"] for r in rows()} | {a for r in rows() for a in r["aliases"]})

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from .errors import InputError, UnknownNameError, UnsupportedError, suggest
+from .spec import parse_spec
 
 
 def _eval(module: str):
@@ -56,7 +57,7 @@ def protected(spec: str) -> int:
 
     from . import catalog
 
-    name, params = catalog.split_spec(spec)
+    name, params = parse_spec(spec)
     row = catalog.row(name)
     defaults = {p: d for p, d, _t, _a in row["params"]} if row else {}
     value = {k: params.get(k, ast.literal_eval(defaults.get(k, "0"))) for k in ("sinks", "window")}
@@ -71,10 +72,10 @@ def method(spec: str, budget=None, chunk: int | None = None):
 
     catalog.check_spec(spec)
     keep = protected(spec)
-    if isinstance(budget, int) and budget < keep and catalog.split_spec(spec)[0] != "full":
+    if isinstance(budget, int) and budget < keep and parse_spec(spec)[0] != "full":
         raise InputError(f"--budget {budget} entries is below the {keep} tokens every method keeps (the first and "
                          f"the last ones); a fraction of the context is written with a point, e.g. 1.0 or 0.25")
-    if chunk is not None and chunk < keep and catalog.split_spec(spec)[0] != "full":
+    if chunk is not None and chunk < keep and parse_spec(spec)[0] != "full":
         raise InputError(f"--prefill-chunk {chunk} is below the protected first and last tokens ({keep}): every "
                          f"chunk would be kept whole; use at least {keep}")
 
@@ -151,11 +152,9 @@ def generate(args) -> int:
     if args.stop is not None and not all(args.stop):
         raise InputError("--stop needs non-empty strings, comma-separated")
     model_name(args.model)
-    from .catalog import split_spec
-
-    if split_spec(args.method)[1].get("sliding") is not None:  # refused before torch loads, where it can be
-        runs_here(argparse.Namespace(name=split_spec(args.method)[0], sliding=split_spec(args.method)[1]["sliding"]),
-                  args.model, None)
+    name, params = parse_spec(args.method)
+    if params.get("sliding") is not None:  # refused before torch loads, where it can be
+        runs_here(argparse.Namespace(name=name, sliding=params["sliding"]), args.model, None)
     m = method(args.method, args.budget, args.prefill_chunk)
     runs_here(m, args.model, args.prefill_chunk, len(text))
     device(args.device)
