@@ -35,8 +35,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
          "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
-PRESS_NAMES = ("no_press", "snapkv", "expected_attention", "streaming_llm", "keydiff", "kvzip", "kvzip_plus", "tova",
-               "pyramidkv", "knorm", "merging_expected_attention")
+PRESS_NAMES = ("no_press", "snapkv", "expected_attention", "expected_attention_uniform", "streaming_llm", "keydiff",
+               "kvzip", "kvzip_plus", "tova", "pyramidkv", "knorm", "merging_expected_attention")
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model")
 
 
@@ -60,6 +60,7 @@ def presses() -> dict:
         "no_press": lambda: None,  # the full cache, once per sample (budget 1)
         "snapkv": SnapKVPress,
         "expected_attention": lambda: AdaKVPress(ExpectedAttentionPress(epsilon=1e-2)),
+        "expected_attention_uniform": ExpectedAttentionPress,  # no AdaKV: what kvmerge's default compares with
         "streaming_llm": StreamingLLMPress,
         "keydiff": KeyDiffPress,
         "kvzip": KVzipPress,

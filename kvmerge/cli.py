@@ -229,7 +229,8 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--budgets", type=_fraction_list, default=None, help="with --suite: only these budgets' columns")
     rep.add_argument("--no-plots", action="store_true", help="tables only")
     rep.add_argument("--methods", type=_csv(str), default=None, help="only these method specs, as run")
-    rep.add_argument("--plots-to", default=None, help="folder for the PNGs (default: the results folder)")
+    rep.add_argument("--plots-to", default=None, help="folder for the PNGs (default: the results folder; with --suite, "
+                     "plots only when given: a RULER suite's average against the budget)")
     return parser
 
 

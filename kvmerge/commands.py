@@ -292,7 +292,11 @@ def report(args) -> int:
     if args.suite:
         _known_suite(args.suite)
         s = _eval("suites")
-        print(s.report(s.load(args.suite), args.root, args.models, args.budgets))
+        suite = s.load(args.suite)
+        print(s.report(suite, args.root, args.models, args.budgets))
+        if args.plots_to and not args.no_plots:
+            for path in s.plots(suite, args.plots_to, args.root, args.models):
+                print(f"kvmerge report: wrote {path}", file=sys.stderr)
         return 0
     if args.folder is None:
         raise InputError("report needs a results folder (kvmerge eval --out FOLDER writes one) or --suite NAME")

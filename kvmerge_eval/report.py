@@ -135,3 +135,54 @@ def _heatmaps(raw, folder) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+KVPRESS_TWINS = {"snapkv": "snapkv", "keydiff": "keydiff", "streaming_llm": "streamingllm", "kvzip": "kvzip",
+                 "expected_attention": "expected_attention", "expected_attention_uniform": "expected_attention",
+                 "kvzip_plus": "kvzip:plus=true", "merging_expected_attention": "mergingpress"}
+
+
+def ruler_curves(by_model: dict[str, list[dict]], kvpress: list[dict], path) -> Path:
+    """RULER's average against the budget, a panel per model: `by_model[model]` kvmerge's rows
+    (`ruler-real.jsonl`), `kvpress` the rows of benchmarks/kvpress_ruler.py (dashed, in the colour of
+    kvmerge's method of that name), each point the mean score over every sample that method ran at
+    that budget (n in the legend); the full cache a black line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [m for m in by_model if by_model[m]]
+    fig, axes = plt.subplots(1, len(models), figsize=(7.5 * len(models), 5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [(r, "") for r in by_model[model]] + [(r, "kvpress") for r in kvpress if r.get("model") == model]
+        ran: dict = defaultdict(set)
+        for r, src in rows:
+            ran[(r["method"], src, r["budget"])].add((r["task"], r["seed"]))
+        common = set.intersection(*ran.values())
+        points: dict = defaultdict(lambda: defaultdict(list))
+        for r, src in rows:
+            if (r["task"], r["seed"]) in common:
+                points[(r["method"], src)][r["budget"]].append(r["score"])
+        names = sorted({KVPRESS_TWINS.get(m.split(":", 1)[-1], m) if src else m for m, src in points})
+        for (name, src), by_budget in sorted(points.items()):
+            xs = sorted(by_budget)
+            ys = [sum(by_budget[x]) / len(by_budget[x]) for x in xs]
+            twin = KVPRESS_TWINS.get(name.split(":", 1)[-1], name) if src else name
+            style = dict(linestyle="--" if src else "-", label=name)
+            if 1.0 in by_budget:  # the full cache (kvpress: no press)
+                ax.axhline(ys[xs.index(1.0)], color="black", **style)
+                continue
+            ax.plot(xs, ys, marker="o" if not src else "x", color=plt.cm.tab20(names.index(twin) % 20), **style)
+        ax.set_xlim(0, 0.55)
+        ax.set_ylim(-0.02, 1.0)
+        ax.set_xlabel("budget (fraction kept; kvpress's ratio = 1 − budget)")
+        ax.set_ylabel("RULER average score")
+        ax.set_title(f"RULER 4k, {model}: the {len(common)} samples every line ran")
+        ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

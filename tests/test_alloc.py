@@ -76,6 +76,25 @@ def test_floor_guarantees_each_heads_share_then_spends_the_rest_globally(L, h, s
         assert (counts == target).all()
 
 
+@settings(max_examples=40, deadline=None)
+@given(L=st.integers(1, 4), h=st.integers(1, 3), s=st.integers(8, 40), frac=st.floats(0.2, 1.0),
+       floor=st.sampled_from([0.0, 0.2, 1.0]), seed=st.integers(0, 99))
+def test_adakv_spreads_each_layers_own_share_over_its_heads(L, h, s, frac, floor, seed):
+    """AdaKV (kvpress's AdaKVPress): a layer's h·target entries go to its own heads' highest scores
+    (brute force per layer, after the floor), whatever the other layers score."""
+    g = torch.Generator().manual_seed(seed)
+    scores = [torch.rand(2, h, s, generator=g) * (l + 1) ** 2 for l in range(L)]
+    sinks, window = 2, 3
+    target = max(int(frac * s), sinks + window)
+    counts = global_counts(scores, target, sinks, window, "adakv", floor)
+    for l in range(L):
+        alone = global_counts(scores[l:l + 1], target, sinks, window, "head", floor)[0]
+        assert torch.equal(counts[l], alone)  # one layer: AdaKV and the global ranking agree
+    assert (counts.sum(-1) == h * target).all()  # every layer keeps its uniform share
+    if floor == 1.0:
+        assert (counts == target).all()
+
+
 def test_floor_is_refused_where_nothing_is_allocated_globally():
     with pytest.raises(ValueError, match="floor"):
         kvmerge.get_method("snapkv", floor=0.2)
@@ -147,7 +166,7 @@ def _padded(model, spec, monkeypatch):
 
 
 @pytest.mark.parametrize("spec", ["snapkv:alloc=head:window=8", "kvzip:alloc=head:window=8:chunk=64",
-                                  "expected_attention:alloc=head:window=8",
+                                  "expected_attention:alloc=head:window=8", "expected_attention:alloc=adakv:window=8",
                                   "evictmerge:base=kvzip:alloc=head:recent=0:window=8"])
 def test_per_head_allocation_meets_the_budget_in_bytes_and_equals_the_padded_layout(spec, monkeypatch):
     """Each head is stored at its own count: the bytes are the budget's entries exactly, and attention,
@@ -159,6 +178,8 @@ def test_per_head_allocation_meets_the_budget_in_bytes_and_equals_the_padded_lay
     flat = [padded.cache.layers[i] for i in padded.cache.compressible]
     live = torch.stack([(~torch.isinf(layer.full_log_n()[0])).sum(-1) for layer in flat])  # (L, h)
     assert int(live.sum()) == live.numel() * method.target(160)  # the global budget, exactly
+    if method.alloc == "adakv":  # and each layer's own share
+        assert (live.sum(-1) == live.shape[1] * method.target(160)).all()
     assert (live >= method.sinks + method.window).all() and len({int(x) for x in live.flatten()}) > 1
     assert [layer.entries for layer in flat] == [int(c.max()) for c in live]  # padded to the widest head
     d = model.config.hidden_size // model.config.num_attention_heads

@@ -239,7 +239,7 @@ class Method:
         `decode_policy`): may shrink `layer` (a `MergedLayer`) given the step's query `(b, hq, 1, d)`."""
 
 
-ALLOCATIONS = ("uniform", "layer", "head", "fit")
+ALLOCATIONS = ("uniform", "layer", "head", "fit", "adakv")
 
 
 @dataclass
@@ -258,6 +258,8 @@ class ScoringMethod(Method):
     "fit": the per-head global ranking with that padding paid for: the longest prefix of the ranking
     whose layers, each as wide as its widest head, fit in the uniform bytes; every head of a layer keeps
     that width, its would-be padding filled with its own next-best entries (no empty slots).
+    "adakv": AdaKV's allocation (kvpress's `AdaKVPress`): every layer keeps its uniform share, spread
+    over its own heads by score; each head at its own length as with "head".
     `floor` (global allocation only; AdaKV's `alpha_safeguard`): every (layer, head) keeps at least this
     fraction of the uniform count, its own best entries, before the rest is spent globally.
     Global allocation needs a one-shot compression of rows without padding."""
@@ -272,12 +274,13 @@ class ScoringMethod(Method):
             raise ValueError(f"alloc must be one of {', '.join(ALLOCATIONS)}, got {self.alloc!r}")
         if not 0.0 <= self.floor <= 1.0 or (self.floor > 0 and self.alloc == "uniform"):
             raise ValueError(f"floor must be a fraction in [0, 1], above 0 only with a global alloc ('layer', "
-                             f"'head' or 'fit': it bounds how few entries a head keeps there), got "
+                             f"'head', 'fit' or 'adakv': it bounds how few entries a head keeps there), got "
                              f"floor={self.floor}, alloc={self.alloc!r}")
 
     def policy_needs(self) -> Needs:
         spread = self.alloc != "uniform"
-        return super().policy_needs() | Needs(all_layers=spread, layer_counts=spread, head_counts=self.alloc == "head")
+        per_head = self.alloc in ("head", "adakv")
+        return super().policy_needs() | Needs(all_layers=spread, layer_counts=spread, head_counts=per_head)
 
     def scores(self, keys, log_n, ctx: LayerContext) -> torch.Tensor:
         """`(b, h, s)`: higher is kept first."""

@@ -246,8 +246,12 @@ def global_counts(scores: list[torch.Tensor], target: int, sinks: int, window: i
         free = free.scatter(-1, free.topk(safe, dim=-1).indices, torch.finfo(torch.float32).max)
     if mode == "fit":
         return _fitted_widths(free, protected, L * target).permute(1, 0, 2).contiguous()
-    pool = L * h * max(target - protected, 0)
-    picked = free.reshape(b, -1).topk(pool, dim=1).indices // s if pool else free.new_zeros(b, 0, dtype=torch.long)
+    if mode == "adakv":  # each layer's own pool, over its heads only
+        widths = [min(target, x.shape[-1]) for x in scores]
+        counts = torch.stack([protected + _per_head(_top(free[:, i].reshape(b, -1), h * max(w - protected, 0)) // s, h)
+                              for i, w in enumerate(widths)])
+        return counts
+    picked = _top(free.reshape(b, -1), L * h * max(target - protected, 0)) // s
     counts = protected + _per_head(picked, L * h).view(b, L, h)
     if mode == "layer":  # each layer's total over its heads, floored, the remainders to the largest fractions
         total = counts.sum(-1)  # (b, L)
@@ -257,6 +261,11 @@ def global_counts(scores: list[torch.Tensor], target: int, sinks: int, window: i
         bonus = torch.zeros_like(even).scatter_(-1, order, (torch.arange(L, device=even.device) < spare).long())
         counts = (even + bonus).clamp(max=s)[..., None].expand(b, L, h)
     return counts.permute(1, 0, 2).contiguous()
+
+
+def _top(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the `k` highest of each row of `flat` `(b, n)` → `(b, k)` long."""
+    return flat.topk(k, dim=1).indices if k else flat.new_zeros(flat.shape[0], 0, dtype=torch.long)
 
 
 def _per_head(picked: torch.Tensor, heads: int) -> torch.Tensor:
