@@ -178,7 +178,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--held", type=_positive, default=6, help="held-back pieces the agreement with KVzip is read on")
     train.add_argument("--length", type=_positive, default=1024, help="tokens per piece")
     train.add_argument("--seed", type=int, default=0, help="the pieces' order and split")
-    train.add_argument("--ridge", type=float, default=1e-2, help="penalty, relative to the features' mean square")
+    train.add_argument("--kind", choices=["linear", "mlp"], default="linear",
+                       help="linear: ridge regression per layer; mlp: one hidden layer (learnedzip:scorer=mlp)")
+    train.add_argument("--ridge", type=float, default=1e-2, help="linear: penalty, relative to the features' mean square")
+    train.add_argument("--hidden", type=_positive, default=64, help="mlp: hidden units per layer")
+    train.add_argument("--epochs", type=_positive, default=8, help="mlp: passes over the rows")
     train.add_argument("--out", default=None, help="weights file (default: under the cache dir, where learnedzip "
                                                     "finds them)")
 

@@ -278,10 +278,11 @@ def train_scorer(args) -> int:
     start = time.perf_counter()
     with tqdm(total=args.texts + args.held, desc="KVzip targets", unit="piece", file=sys.stderr) as bar:
         path = train(args.model, args.out, texts=args.texts, held=args.held, length=args.length, seed=args.seed,
-                     ridge=args.ridge, progress=lambda done, _total: bar.update(done - bar.n))
-    from .scorer import LinearScorer
+                     ridge=args.ridge, kind=args.kind, hidden=args.hidden, epochs=args.epochs,
+                     progress=lambda done, _total: bar.update(done - bar.n))
+    from .scorer import Scorer
 
-    meta = LinearScorer.load(path).meta
+    meta = Scorer.load(path).meta
     print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB) in {time.perf_counter() - start:.0f} s; agreement with "
           f"KVzip on {meta['held_back']} held-back pieces: top-10% {meta['top10_overlap']:.3f}, "
           f"top-25% {meta['top25_overlap']:.3f} per head")

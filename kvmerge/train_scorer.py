@@ -1,5 +1,6 @@
-"""Training the learned scorer (`kvmerge train-scorer --model NAME`): KVzip's scores as targets, the
-prefill's pre-RoPE queries, keys and values as features, one ridge regression per compressed layer.
+"""Training the learned scorer (`kvmerge train-scorer --model NAME [--kind mlp]`): KVzip's scores as
+targets, the prefill's pre-RoPE queries, keys and values as features; per compressed layer a ridge
+regression ("linear") or a one-hidden-layer MLP fitted by AdamW on mean squared error ("mlp").
 
 Text: documentation that ships with the system, none of it an evaluation genre: the docstrings of
 Python's standard library (its language reference, `pydoc_data`, is the `docs` genre and is left
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .scorer import LinearScorer, features, fingerprint, trained_path, unrotate
+from .scorer import LinearScorer, MLPScorer, Scorer, features, fingerprint, trained_path, unrotate
 
 PERL_PODS = ("/usr/share/perl", "/usr/lib/x86_64-linux-gnu/perl")
 
@@ -101,6 +102,36 @@ def fit(sums: list[tuple[torch.Tensor, torch.Tensor]], ridge: float) -> list[tor
     return out
 
 
+def fit_mlp(rows: list[tuple[torch.Tensor, torch.Tensor]], hidden: int, epochs: int, seed: int) -> list[dict]:
+    """Per layer, rows (features `(N, F)`, log scores `(N, h)`) → `MLPScorer` layer parameters: a
+    one-hidden-layer GELU network on standardised features, AdamW (weight decay 0.01) with a one-cycle
+    learning rate peaking at 2e-3, batches of 512, `epochs` passes; reproducible from `seed`."""
+    out = []
+    for i, (x, y) in enumerate(rows):
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        x, y = x.float(), y.float()
+        mu, sd = x.mean(0), x.std(0) + 1e-4
+        torch.manual_seed(seed * 1000 + i)
+        net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], hidden), torch.nn.GELU(), torch.nn.Linear(hidden, y.shape[1]))
+        net[-1].bias.data = y.mean(0)
+        z = (x - mu) / sd
+        steps = max(1, len(z) // 512)
+        opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-2)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, 2e-3, total_steps=epochs * steps)
+        for _ in range(epochs):
+            order = torch.randperm(len(z), generator=g)
+            for j in range(steps):
+                batch = order[j * 512:(j + 1) * 512]
+                loss = torch.nn.functional.mse_loss(net(z[batch]), y[batch])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+        out.append({"mu": mu, "sd": sd, "w1": net[0].weight.detach().T.contiguous(), "b1": net[0].bias.detach(),
+                    "w2": net[2].weight.detach().T.contiguous(), "b2": net[2].bias.detach()})
+    return out
+
+
 def overlap(predicted: torch.Tensor, true: torch.Tensor, fraction: float) -> float:
     """Mean over heads of |top-k(predicted) ∩ top-k(true)| / k, k = `fraction` of the n entries
     (`(..., n)` each)."""
@@ -111,40 +142,54 @@ def overlap(predicted: torch.Tensor, true: torch.Tensor, fraction: float) -> flo
     return float(hits.float().mean())
 
 
-def train(model, tokenizer, texts: int = 120, held: int = 6, length: int = 1024, seed: int = 0, ridge: float = 1e-2,
-          progress=None) -> LinearScorer:
-    """Fit the scorer on `texts` pieces of `length` tokens; report its agreement with KVzip on `held`
-    other pieces (`meta`: top-10% and top-25% overlap per head, away from the sinks and the last 32)."""
+def train(model, tokenizer, texts: int = 100, held: int = 6, length: int = 1024, seed: int = 0, ridge: float = 1e-2,
+          kind: str = "linear", hidden: int = 64, epochs: int = 8, rows_per_text: int = 512, progress=None) -> Scorer:
+    """Fit the scorer of `kind` on `texts` pieces of `length` tokens (an MLP on `rows_per_text` random
+    tokens of each); report its agreement with KVzip on `held` other pieces (`meta`: top-10% and
+    top-25% overlap per head, away from the sinks and the last 32)."""
     sinks, window = 4, 32
     head = _opening(tokenizer)
     chosen = pieces(tokenizer, corpus(), length, seed)
     if len(chosen) < texts + held:
         raise ValueError(f"only {len(chosen)} pieces of {length} tokens in the training text, {texts + held} needed")
-    sums, start = None, time.perf_counter()
+    sums, kept, start = None, None, time.perf_counter()
+    g = torch.Generator().manual_seed(seed)
     for j, ids in enumerate(chosen[:texts]):
         rows = examples(model, tokenizer, head + ids)
-        if sums is None:
-            sums = [(torch.zeros(x.shape[1] + 1, x.shape[1] + 1, dtype=torch.float64),
-                     torch.zeros(x.shape[1] + 1, y.shape[1], dtype=torch.float64)) for x, y in rows]
-        for (xtx, xty), (x, y) in zip(sums, rows):
-            x1 = torch.cat([x, torch.ones(x.shape[0], 1)], 1)[sinks:].double()
-            xtx += x1.T @ x1
-            xty += x1.T @ y[sinks:].double()
+        if kind == "mlp":
+            pick = sinks + torch.randperm(rows[0][0].shape[0] - sinks, generator=g)[:rows_per_text]
+            kept = kept or [([], []) for _ in rows]
+            for (xs, ys), (x, y) in zip(kept, rows):
+                xs.append(x[pick].half())
+                ys.append(y[pick])
+        else:
+            if sums is None:
+                sums = [(torch.zeros(x.shape[1] + 1, x.shape[1] + 1, dtype=torch.float64),
+                         torch.zeros(x.shape[1] + 1, y.shape[1], dtype=torch.float64)) for x, y in rows]
+            for (xtx, xty), (x, y) in zip(sums, rows):
+                x1 = torch.cat([x, torch.ones(x.shape[0], 1)], 1)[sinks:].double()
+                xtx += x1.T @ x1
+                xty += x1.T @ y[sinks:].double()
         if progress is not None:
             progress(j + 1, texts + held)
-    weights = fit(sums, ridge)
-    scorer = LinearScorer(weights, fingerprint(model.config), {})
+    key = fingerprint(model.config)
+    if kind == "mlp":
+        scorer = MLPScorer(fit_mlp([(torch.cat(xs), torch.cat(ys)) for xs, ys in kept], hidden, epochs, seed), key, {})
+    else:
+        scorer = LinearScorer(fit(sums, ridge), key, {})
     agreement = {0.1: [], 0.25: []}
-    for j, ids in enumerate(chosen[texts:texts + held]):
-        rows = examples(model, tokenizer, head + ids)
-        x = torch.stack([torch.cat([x, torch.ones(x.shape[0], 1)], 1) @ w for (x, _), w in zip(rows, weights)])
-        y = torch.stack([y for _, y in rows])
-        cut = slice(len(head) + sinks, x.shape[1] - window)
-        for fraction in agreement:
-            agreement[fraction].append(overlap(x[:, cut].transpose(1, 2), y[:, cut].transpose(1, 2), fraction))
-        if progress is not None:
-            progress(texts + j + 1, texts + held)
-    scorer.meta = {"texts": texts, "held_back": held, "length": length, "seed": seed, "ridge": ridge,
+    with torch.no_grad():
+        for j, ids in enumerate(chosen[texts:texts + held]):
+            rows = examples(model, tokenizer, head + ids)
+            x = torch.stack([scorer.from_features(i, x) for i, (x, _) in enumerate(rows)])
+            y = torch.stack([y for _, y in rows])
+            cut = slice(len(head) + sinks, x.shape[1] - window)
+            for fraction in agreement:
+                agreement[fraction].append(overlap(x[:, cut].transpose(1, 2), y[:, cut].transpose(1, 2), fraction))
+            if progress is not None:
+                progress(texts + j + 1, texts + held)
+    fitted = {"ridge": ridge} if kind == "linear" else {"hidden": hidden, "epochs": epochs, "rows_per_text": rows_per_text}
+    scorer.meta = {"texts": texts, "held_back": held, "length": length, "seed": seed, **fitted,
                    "tokens": texts * (len(head) + length), "seconds": round(time.perf_counter() - start, 1),
                    "top10_overlap": round(sum(agreement[0.1]) / held, 4),
                    "top25_overlap": round(sum(agreement[0.25]) / held, 4)}
@@ -157,6 +202,6 @@ def main(model_name: str | None, out: str | None = None, **kwargs) -> Path:
 
     model, tokenizer = load_model(model_name)
     scorer = train(model, tokenizer, **kwargs)
-    path = Path(out) if out else trained_path(model.config)
+    path = Path(out) if out else trained_path(model.config, scorer.kind)
     scorer.save(path)
     return path

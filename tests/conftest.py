@@ -36,7 +36,7 @@ def llama():
 @pytest.fixture(scope="session", autouse=True)
 def tiny_scorers(tmp_path_factory):
     """Learned scorers (random weights) for the tiny models' shapes, so that `learnedzip` runs on them."""
-    from kvmerge.scorer import LinearScorer, fingerprint
+    from kvmerge.scorer import LinearScorer, MLPScorer, fingerprint
 
     from .test_hybrid import gemma3
 
@@ -50,6 +50,10 @@ def tiny_scorers(tmp_path_factory):
         size = (c.num_attention_heads + 2 * c.num_key_value_heads) * d + 1
         weights = [torch.randn(size, c.num_key_value_heads, generator=g) * 0.1 for _ in range(layers)]
         LinearScorer(weights, fingerprint(c), {"random": True}).save(folder / f"tiny{i}.safetensors")
+        mlp = [{"mu": torch.zeros(size - 1), "sd": torch.ones(size - 1), "w1": torch.randn(size - 1, 8, generator=g) * 0.1,
+                "b1": torch.zeros(8), "w2": torch.randn(8, c.num_key_value_heads, generator=g), "b2": torch.zeros(
+                    c.num_key_value_heads)} for _ in range(layers)]
+        MLPScorer(mlp, fingerprint(c), {"random": True}).save(folder / f"tiny{i}-mlp.safetensors")
     os.environ["KVMERGE_SCORERS"] = str(folder)
     yield folder
     os.environ.pop("KVMERGE_SCORERS", None)

@@ -362,6 +362,7 @@ def test_a_ragged_cache_survives_snapshots_probes_row_repeats_and_a_second_compr
 
 
 @pytest.mark.parametrize("spec", ["kvzip:window=8:chunk=64", "snapkv:alloc=head:window=8", "learnedzip:window=8",
+                                  "learnedzip:scorer=mlp:window=8",
                                   "zipmerge:window=8:calibrate=false", "kvzip:alloc=fit:window=8:chunk=64"])
 def test_global_allocation_runs_under_a_chunked_prefill_within_budget_plus_chunk(spec):
     """Chunk by chunk, one budget spread over every layer and head: after each chunk the live entries

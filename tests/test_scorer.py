@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import kvmerge
-from kvmerge.scorer import LinearScorer, features, find, fingerprint, unrotate
-from kvmerge.train_scorer import examples, fit, overlap
+from kvmerge.scorer import LinearScorer, MLPScorer, Scorer, features, find, fingerprint, unrotate
+from kvmerge.train_scorer import examples, fit, fit_mlp, overlap
 
 from .conftest import TinyTokenizer, random_ids, tiny_model
 
@@ -63,6 +63,39 @@ def test_weights_round_trip_and_predictions_are_log_probabilities(tmp_path):
     assert out.shape == (1, 2, 10) and bool((out <= 0).all())
 
 
+def test_mlp_weights_round_trip_by_kind_and_compute_the_stated_network(tmp_path):
+    g = torch.Generator().manual_seed(4)
+    layers = [{"mu": torch.randn(128, generator=g), "sd": torch.rand(128, generator=g) + 0.5,
+               "w1": torch.randn(128, 8, generator=g), "b1": torch.randn(8, generator=g),
+               "w2": torch.randn(8, 2, generator=g), "b2": torch.randn(2, generator=g)} for _ in range(2)]
+    MLPScorer(layers, "abc", {"hidden": 8}).save(tmp_path / "m.safetensors")
+    back = Scorer.load(tmp_path / "m.safetensors")
+    assert isinstance(back, MLPScorer) and back.model == "abc" and back.meta == {"hidden": 8}
+    q, k, v = torch.randn(1, 4, 10, 16, generator=g), torch.randn(1, 2, 10, 16, generator=g), torch.randn(1, 2, 10, 16)
+    x = features(q, k, v)
+    p = {n: t.half().float() for n, t in layers[1].items()}  # stored in float16
+    direct = torch.nn.functional.gelu((x - p["mu"]) / p["sd"] @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+    torch.testing.assert_close(back.predict(1, q, k, v), direct.clamp_max(0).transpose(1, 2))
+
+
+def test_fit_mlp_is_reproducible_and_learns_what_a_ridge_cannot():
+    """On y = −|x·a| (no linear signal), the MLP's held-out error is well below the ridge's; the same
+    seed gives the same weights."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(16, generator=g)
+    x = torch.randn(6000, 16, generator=g)
+    y = -(x @ a).abs()[:, None] / 4
+    train, test = slice(0, 5000), slice(5000, None)
+    layers = fit_mlp([(x[train], y[train])], hidden=32, epochs=60, seed=0)
+    mlp = MLPScorer(layers, "abc", {})
+    x1 = torch.cat([x, torch.ones(len(x), 1)], 1).double()
+    ridge = LinearScorer(fit([(x1[train].T @ x1[train], x1[train].T @ y[train].double())], 1e-2), "abc", {})
+    err = {name: float(((s.from_features(0, x[test]) - y[test]) ** 2).mean()) for name, s in (("mlp", mlp), ("ridge", ridge))}
+    assert err["mlp"] < 0.25 * err["ridge"], err
+    again = fit_mlp([(x[train], y[train])], hidden=32, epochs=60, seed=0)
+    assert all(torch.equal(layers[0][n], again[0][n]) for n in layers[0])
+
+
 def test_overlap_counts_shared_top_entries():
     a = torch.tensor([[4.0, 3, 2, 1]])
     assert overlap(a, a, 0.5) == 1.0 and overlap(a, -a, 0.5) == 0.0 and overlap(a, torch.tensor([[4.0, 1, 3, 2]]), 0.5) == 0.5
@@ -72,6 +105,8 @@ def test_a_model_without_weights_is_told_how_to_train_them():
     model = tiny_model(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
     with pytest.raises(ValueError, match="kvmerge train-scorer --model"):
         find(model.config)
+    with pytest.raises(ValueError, match="--kind mlp"):
+        find(model.config, "mlp")
     with pytest.raises(ValueError, match="kvmerge train-scorer"):
         kvmerge.generate_ids(model, random_ids(100), [3], kvmerge.get_method("learnedzip", window=8),
                              max_new_tokens=1)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..scorer import find, unrotate
+from ..scorer import KINDS, find, unrotate
 from .base import CarriedScores, Needs, ScoringMethod
 from .registry import register
 
@@ -22,6 +22,9 @@ class LearnedZip(CarriedScores, ScoringMethod):
     allocation (`alloc="head"`), which also runs under a chunked prefill (each chunk's entries scored
     as it arrives, kept entries keep their scores).
 
+    `scorer`: the learned model's kind, "linear" (ridge regression) or "mlp" (one hidden layer, as
+    KVzap's MLP; `kvmerge train-scorer --kind mlp`).
+
     `sharpen`: the scores are exp(`sharpen` × the prediction). A monotone change: the picks, global
     allocation included, do not depend on it; as merge weights (`learnedmerge`) a larger `sharpen`
     lets an entry predicted low move the entry it joins less (a ridge's predictions are shrunk towards
@@ -29,6 +32,7 @@ class LearnedZip(CarriedScores, ScoringMethod):
 
     alloc: str = "head"
     sharpen: float = 1.0
+    scorer: str = "linear"
     name = "learnedzip"
     requires = Needs(queries=-1, rotary=True)
 
@@ -36,11 +40,13 @@ class LearnedZip(CarriedScores, ScoringMethod):
         super().__post_init__()
         if not self.sharpen > 0:
             raise ValueError(f"learnedzip needs sharpen > 0, got {self.sharpen}")
+        if self.scorer not in KINDS:
+            raise ValueError(f"learnedzip's scorer must be one of {', '.join(KINDS)}, got {self.scorer!r}")
 
     def setup(self, runtime):
         if runtime.config is None:
             raise ValueError("learnedzip needs the model's config to find its scorer's weights")
-        self._scorer, self._rotary = find(runtime.config), runtime.rotary
+        self._scorer, self._rotary = find(runtime.config, self.scorer), runtime.rotary
 
     def scores(self, keys, log_n, ctx):
         if ctx.queries is None or not hasattr(self, "_scorer"):
