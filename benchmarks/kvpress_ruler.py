@@ -187,6 +187,33 @@ def run(args) -> None:
                           file=sys.stderr)
 
 
+TWINS = {"no_press": "full", "snapkv": "snapkv", "expected_attention": "expected_attention:alloc=adakv:floor=0.2:epsilon=0.01",
+         "expected_attention_uniform": "expected_attention", "keydiff": "keydiff", "streaming_llm": "streamingllm",
+         "kvzip": "kvzip", "kvzip_plus": "kvzip:plus=true", "merging_expected_attention": "mergingpress"}
+
+
+def compare(kvpress_rows: Path, kvmerge_rows: Path, model: str) -> str:
+    """A markdown table: per press and budget, kvpress's score and kvmerge's twin method's (`TWINS`) on
+    the samples both ran, and on how many of them the two scored the same."""
+    def read(path):
+        return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+    ours = {(r["method"], round(float(r["budget"]), 6), r["task"], r["seed"]): r["score"] for r in read(kvmerge_rows)}
+    theirs = [r for r in read(kvpress_rows) if r["model"] == model]
+    lines = ["| kvpress 0.5.5 | kvmerge | budget (ratio) | samples (tasks) | kvpress | kvmerge | same score on |",
+             "|---|---|---|---|---|---|---|"]
+    for press, twin in TWINS.items():
+        for budget in (1.0, 0.5, 0.25, 0.1):
+            both = [(r, ours[key]) for r in theirs if r["method"] == f"kvpress:{press}" and abs(r["budget"] - budget) < 1e-6
+                    and (key := (twin, budget, r["task"], r["seed"])) in ours]
+            if both:
+                same = sum(abs(r["score"] - o) < 1e-9 for r, o in both)
+                lines.append(f"| `{press}` | `{twin}` | {budget:.0%} ({1 - budget:.2f}) | {len(both)} "
+                             f"({len({r['task'] for r, _ in both})}) | {sum(r['score'] for r, _ in both) / len(both):.1%} | "
+                             f"{sum(o for _, o in both) / len(both):.1%} | {same} of {len(both)} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m or gemma3-270m (a folder under the cache)")
@@ -198,7 +225,13 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="results/kvpress_ruler.jsonl")
     p.add_argument("--limit", type=int, default=None, help="the first N samples only (every task's first sample first)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    run(p.parse_args(argv))
+    p.add_argument("--compare", default=None, metavar="ROWS",
+                   help="print kvpress's rows (--out) beside kvmerge's in ROWS (a ruler-real.jsonl) and exit")
+    args = p.parse_args(argv)
+    if args.compare:
+        print(compare(Path(args.out), Path(args.compare), args.model))
+        return
+    run(args)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import subprocess
 from pathlib import Path
 
@@ -157,3 +158,17 @@ def test_benchmark_copies_agree(folder):
     score = bench.scorer()
     for task, prediction, answers, _expected in CASES:
         assert score(task, prediction, answers) == ruler_real.score(task, prediction, answers)
+
+
+def test_benchmark_compares_on_the_samples_both_ran(tmp_path):
+    spec = importlib.util.spec_from_file_location("kvpress_ruler", ROOT / "benchmarks" / "kvpress_ruler.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    theirs = [{"method": "kvpress:snapkv", "budget": 0.25, "task": t, "seed": i, "score": s, "model": "m"}
+              for t, i, s in (("vt", 0, 1.0), ("cwe", 0, 0.5), ("qa_1", 1, 1.0))]
+    ours = [{"method": "snapkv", "budget": 0.25, "task": t, "seed": i, "score": s}
+            for t, i, s in (("vt", 0, 1.0), ("cwe", 0, 0.0))]  # qa_1#1 not run by kvmerge
+    for name, rows in (("p.jsonl", theirs), ("k.jsonl", ours)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = bench.compare(tmp_path / "p.jsonl", tmp_path / "k.jsonl", "m")
+    assert "| `snapkv` | `snapkv` | 25% (0.75) | 2 (2) | 75.0% | 50.0% | 1 of 2 |" in table
