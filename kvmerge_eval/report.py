@@ -159,10 +159,11 @@ def ruler_curves(by_model: dict[str, list[dict]], kvpress: list[dict], path) -> 
         ran: dict = defaultdict(set)
         for r, src in rows:
             ran[(r["method"], src, r["budget"])].add((r["task"], r["seed"]))
-        common = set.intersection(*ran.values())
+        # the sample set that the most points × samples cover: one point's own set, kept by every point that ran it all
+        common = max(ran.values(), key=lambda c: len(c) * sum(c <= other for other in ran.values()))
         points: dict = defaultdict(lambda: defaultdict(list))
         for r, src in rows:
-            if (r["task"], r["seed"]) in common:
+            if (r["task"], r["seed"]) in common and common <= ran[(r["method"], src, r["budget"])]:
                 points[(r["method"], src)][r["budget"]].append(r["score"])
         names = sorted({KVPRESS_TWINS.get(m.split(":", 1)[-1], m) if src else m for m, src in points})
         for (name, src), by_budget in sorted(points.items()):
@@ -178,7 +179,7 @@ def ruler_curves(by_model: dict[str, list[dict]], kvpress: list[dict], path) -> 
         ax.set_ylim(-0.02, 1.0)
         ax.set_xlabel("budget (fraction kept; kvpress's ratio = 1 − budget)")
         ax.set_ylabel("RULER average score")
-        ax.set_title(f"RULER 4k, {model}: the {len(common)} samples every line ran")
+        ax.set_title(f"RULER 4k, {model}: {len(common)} samples", fontsize=10)
         ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
     fig.tight_layout()
     path = Path(path)
