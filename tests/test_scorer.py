@@ -129,3 +129,30 @@ def test_bundled_weights_match_their_model_when_present():
         from transformers import AutoConfig
 
         assert scorer.model == fingerprint(AutoConfig.from_pretrained(folder))
+
+
+@pytest.mark.parametrize("name,layers,features,heads", [("smollm2-135m", 30, (9 + 3 + 3) * 64, 3),
+                                                        ("gemma3-270m", 3, (4 + 1 + 1) * 256, 1)])
+def test_bundled_mlp_weights_are_mlps_of_their_models_shape(name, layers, features, heads):
+    from kvmerge.scorer import SHIPPED
+
+    path = SHIPPED / f"{name}-mlp.safetensors"
+    if not path.exists():
+        pytest.skip("no shipped MLP weights")
+    scorer = Scorer.load(path)
+    assert isinstance(scorer, MLPScorer) and len(scorer.layers) == layers
+    assert scorer.layers[0]["w1"].shape == (features, scorer.meta["hidden"]) and scorer.layers[0]["b2"].shape == (heads,)
+    assert scorer.meta["top25_overlap"] > 0.55
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_train_fits_either_kind_and_reports_its_agreement(kind, monkeypatch):
+    """`kvmerge train-scorer`'s function end to end on a tiny model (the corpus replaced by a few texts)."""
+    import kvmerge.train_scorer as ts
+
+    monkeypatch.setattr(ts, "corpus", lambda: ["".join(chr(97 + (7 * i + j) % 26) for i in range(400)) for j in range(6)])
+    scorer = ts.train(tiny_model(), TinyTokenizer(), texts=3, held=1, length=96, kind=kind, hidden=4, epochs=2,
+                      rows_per_text=32)
+    assert scorer.kind == kind and scorer.meta["texts"] == 3 and 0.0 <= scorer.meta["top25_overlap"] <= 1.0
+    q, k, v = torch.randn(1, 4, 10, 16), torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
+    assert scorer.predict(0, q, k, v).shape == (1, 2, 10)
