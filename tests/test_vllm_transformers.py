@@ -29,12 +29,14 @@ from benchmarks.vllm_reference import MAIN_PYTHON, call, greedy_as_vllm_keeps  #
 MODEL = cache_dir() / "smollm2-135m"
 TOKENS, BLOCK = 32, 32
 LEARNED = "learnedzip:alloc=uniform"  # the shipped scorer's picks, one count per layer and head
+LEARNED_MLP = "learnedzip:alloc=uniform:scorer=mlp"  # the same with the shipped MLP scorer
 # snapkv: 130 blocks of 32, room for one uncompressed 2.1k prompt (67 blocks) at a time, so each prompt's
 # blocks include blocks freed by the ones before; evictmerge: a roomy pool and all 4 prompts in one step.
 # expectmerge: all 4 in one step too, each layer's compression deferred until the step's logits exist.
 SETTINGS = {"snapkv": dict(num_gpu_blocks_override=130), "evictmerge": dict(max_num_batched_tokens=9000),
             "expectmerge": dict(max_num_batched_tokens=9000), "echo": dict(num_gpu_blocks_override=130),
-            "lastquery": dict(num_gpu_blocks_override=130), LEARNED: dict(num_gpu_blocks_override=130)}
+            "lastquery": dict(num_gpu_blocks_override=130), LEARNED: dict(num_gpu_blocks_override=130),
+            LEARNED_MLP: dict(num_gpu_blocks_override=130)}
 IMPORTS = {"lastquery": (str(Path(__file__).parent / "plugins" / "lastquery.py"),)}
 pytestmark = pytest.mark.skipif(not MAIN_PYTHON.exists() or not (MODEL / "model.safetensors").exists(),
                                 reason="needs kvmerge's main venv (.venv: make setup) and the converted SmolLM2")
@@ -59,7 +61,7 @@ def first_divergence(got_tokens, got_logprobs, want) -> dict:
     return out
 
 
-@pytest.mark.parametrize("method", ["snapkv", "evictmerge", "expectmerge", "echo", "lastquery", LEARNED])
+@pytest.mark.parametrize("method", ["snapkv", "evictmerge", "expectmerge", "echo", "lastquery", LEARNED, LEARNED_MLP])
 def test_method_matches_the_transformers_runtime_and_frees_blocks(monkeypatch, prompts, method):
     from vllm import envs
 
@@ -87,12 +89,13 @@ def test_method_matches_the_transformers_runtime_and_frees_blocks(monkeypatch, p
     # learnedzip's scores are a linear map of 960 features per token: vLLM's float32 projections, which differ
     # from transformers' in the last bits, can swap near-tied picks (measured: 1.0e-3 at most, same tokens;
     # a different cache, e.g. the uncompressed one, moves these log-probabilities by 0.04-0.41)
-    assert max(r["max_logprob_diff"] for r in report) < (5e-3 if method == LEARNED else 1e-3), report
+    assert max(r["max_logprob_diff"] for r in report) < (5e-3 if method in (LEARNED, LEARNED_MLP) else 1e-3), report
     assert len(stats) == 4 and peak == 4, (stats, peak)  # on snapkv's pool stock vLLM runs one at a time
-    assert together == {"snapkv": 1, "evictmerge": 4, "expectmerge": 4, "echo": 1, "lastquery": 1, LEARNED: 1}[method]
+    assert together == {"snapkv": 1, "evictmerge": 4, "expectmerge": 4, "echo": 1, "lastquery": 1, LEARNED: 1,
+                        LEARNED_MLP: 1}[method]
     for p, s in zip(prompts, [stats[k] for k in sorted(stats, key=lambda k: int(k.split("-")[0]))]):
         budget = round(0.25 * len(p["ids"]))
-        selects = method in ("snapkv", "echo", "lastquery", LEARNED)
+        selects = method in ("snapkv", "echo", "lastquery", LEARNED, LEARNED_MLP)
         assert s["prompt"] == len(p["ids"]) and budget <= s["kept"] < budget + (BLOCK if selects else 1)
         assert s["freed"] == (s["prompt"] - s["kept"]) // BLOCK and s["listed"] == math.ceil(s["prompt"] / BLOCK)
         assert s["held"] <= math.ceil(s["kept"] / BLOCK) + 1  # the budget's blocks plus at most one
