@@ -146,11 +146,14 @@ def find(config, kind: str = "linear") -> Scorer:
         raise ValueError(f"no scorer kind {kind!r}; kinds: {', '.join(KINDS)}")
     key = fingerprint(config)
     folders = [Path(p) for p in os.environ.get("KVMERGE_SCORERS", "").split(os.pathsep) if p] + [SHIPPED]
+    from safetensors import safe_open
+
     for path in (trained_path(config, kind), *(p for folder in folders for p in sorted(folder.glob("*.safetensors")))):
         if path.exists():
-            scorer = Scorer.load(path)
-            if scorer.model == key and scorer.kind == kind:
-                return scorer
+            with safe_open(str(path), "pt") as f:  # the metadata only: is it this model's, of this kind?
+                meta = f.metadata()
+            if meta.get("model") == key and meta.get("kind", "linear") == kind:
+                return Scorer.load(path)
     name = getattr(config, "name_or_path", "") or config.get_text_config(decoder=True).model_type
     flag = "" if kind == "linear" else f" --kind {kind}"
     raise ValueError(f"no learned {kind} scorer for this model ({name}, fingerprint {key}): train one with "
