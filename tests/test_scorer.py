@@ -92,8 +92,8 @@ def test_fit_mlp_is_reproducible_and_learns_what_a_ridge_cannot():
     ridge = LinearScorer(fit([(x1[train].T @ x1[train], x1[train].T @ y[train].double())], 1e-2), "abc", {})
     err = {name: float(((s.from_features(0, x[test]) - y[test]) ** 2).mean()) for name, s in (("mlp", mlp), ("ridge", ridge))}
     assert err["mlp"] < 0.25 * err["ridge"], err
-    again = fit_mlp([(x[train], y[train])], hidden=32, epochs=60, seed=0)
-    assert all(torch.equal(layers[0][n], again[0][n]) for n in layers[0])
+    once, again = (fit_mlp([(x[:1024], y[:1024])], hidden=8, epochs=2, seed=0) for _ in range(2))
+    assert all(torch.equal(once[0][n], again[0][n]) for n in once[0])
 
 
 def test_overlap_counts_shared_top_entries():
