@@ -147,8 +147,8 @@ def run(args) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    def key(r: dict) -> tuple:
-        return r["method"], round(float(r["budget"]), 6), r["task"], r["length"], r["seed"]
+    def key(r: dict) -> tuple:  # one file holds every model's rows
+        return r["model"], r["method"], round(float(r["budget"]), 6), r["task"], r["length"], r["seed"]
 
     done = {key(json.loads(line)) for line in out.read_text().splitlines() if line.strip()} if out.exists() else set()
 
@@ -165,7 +165,7 @@ def run(args) -> None:
             for ratio in [0.0] if name == "no_press" else ratios:
                 for s in data:
                     row = {"method": f"kvpress:{name}", "budget": round(1 - ratio, 6), "task": s["task"],
-                           "length": s["length"], "seed": s["index"]}
+                           "length": s["length"], "seed": s["index"], "model": args.model}
                     if key(row) in done:
                         continue
                     press = registry[name]()
@@ -178,7 +178,7 @@ def run(args) -> None:
                     row.update({"answer": s["answers"], "prediction": prediction,
                                 "score": score(s["task"], prediction, s["answers"]),
                                 "answer_prefix": s["answer_prefix"], "max_new_tokens": s["max_new_tokens"],
-                                "model": args.model, "press": repr(press),
+                                "press": repr(press),
                                 "seconds": round(time.perf_counter() - start, 2),
                                 "date": datetime.date.today().isoformat()})
                     f.write(json.dumps(row) + "\n")
