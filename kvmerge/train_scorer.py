@@ -147,6 +147,8 @@ def train(model, tokenizer, texts: int = 100, held: int = 6, length: int = 1024,
     """Fit the scorer of `kind` on `texts` pieces of `length` tokens (an MLP on `rows_per_text` random
     tokens of each); report its agreement with KVzip on `held` other pieces (`meta`: top-10% and
     top-25% overlap per head, away from the sinks and the last 32)."""
+    if kind not in ("linear", "mlp"):
+        raise ValueError(f"scorer kind must be 'linear' or 'mlp', got {kind!r}")
     sinks, window = 4, 32
     head = _opening(tokenizer)
     chosen = pieces(tokenizer, corpus(), length, seed)
