@@ -142,11 +142,11 @@ KVPRESS_TWINS = {"snapkv": "snapkv", "keydiff": "keydiff", "streaming_llm": "str
                  "kvzip_plus": "kvzip:plus=true", "merging_expected_attention": "mergingpress"}
 
 
-def ruler_curves(by_model: dict[str, list[dict]], kvpress: list[dict], path) -> Path:
+def ruler_curves(by_model: dict[str, list[dict]], kvpress: list[dict], path, length: int = 4096) -> Path:
     """RULER's average against the budget, a panel per model: `by_model[model]` kvmerge's rows
     (`ruler-real.jsonl`), `kvpress` the rows of benchmarks/kvpress_ruler.py (dashed, in the colour of
     kvmerge's method of that name), each point the mean score over every sample that method ran at
-    that budget (n in the legend); the full cache a black line."""
+    that budget (n in the legend); the full cache a black line. Rows of one context `length`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,7 +179,7 @@ def ruler_curves(by_model: dict[str, list[dict]], kvpress: list[dict], path) -> 
         ax.set_ylim(-0.02, 1.0)
         ax.set_xlabel("budget (fraction kept; kvpress's ratio = 1 − budget)")
         ax.set_ylabel("RULER average score")
-        ax.set_title(f"RULER 4k, {model}: {len(common)} samples", fontsize=10)
+        ax.set_title(f"RULER {length / 1024:g}k, {model}: {len(common)} samples", fontsize=10)
         ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
     fig.tight_layout()
     path = Path(path)

@@ -287,14 +287,16 @@ def report(suite: Suite, root="results", models=None, budgets=None) -> str:
 
 def plots(suite: Suite, plot_dir, root="results", models=None) -> list[Path]:
     """The suite's plots written to `plot_dir`: for a RULER suite, its average against the budget per
-    model (`report.ruler_curves`), with kvpress's rows from `<root>/kvpress_ruler.jsonl` when there."""
+    model at the suite's shortest length (`report.ruler_curves`), with kvpress's rows from `<root>/kvpress_ruler.jsonl` when there."""
     from .report import ruler_curves
 
     if not any(r.task == "ruler-real" for r in suite.runs):
         return []
+    length = min(n for r in suite.runs if r.task == "ruler-real" for n in r.lengths)  # one length a plot
     by_model = {m: list({run_key(r["method"], r["budget"], r): r
-                         for r in _read(folder(suite, m, root) / "ruler-real.jsonl")}.values())
+                         for r in _read(folder(suite, m, root) / "ruler-real.jsonl") if r["length"] == length}.values())
                 for m in models or suite.models}
     kvpress = Path(root) / "kvpress_ruler.jsonl"
-    rows = list({(r["model"], r["method"], r["budget"], r["task"], r["seed"]): r for r in _read(kvpress)}.values())
-    return [ruler_curves(by_model, rows, Path(plot_dir) / f"{suite.name}_vs_budget.png")]
+    rows = list({(r["model"], r["method"], r["budget"], r["task"], r["seed"]): r
+                 for r in _read(kvpress) if r["length"] == length}.values())
+    return [ruler_curves(by_model, rows, Path(plot_dir) / f"{suite.name}_vs_budget.png", length)]

@@ -1,6 +1,7 @@
 """Named suites: every shipped suite loads, bad suites are refused by name, a suite runs and reports, and
 every table in docs/results.md names a suite that exists, a command that parses, and the suite's columns."""
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -169,3 +170,31 @@ def test_every_table_in_the_results_doc_names_a_suite_a_command_and_its_columns(
             assert cells[0] in labels and len(cells) == len(head)
     named = set(re.findall(r"^Suite `([\w-]+)` · ", DOCS.read_text(encoding="utf-8"), re.M))
     assert seen <= named and named == set(suites.available()), f"suites not in the doc: {set(suites.available()) - named}"
+
+
+def test_ruler_plot_draws_one_length_and_the_models_kvpress_rows(tmp_path, monkeypatch):
+    from kvmerge_eval import report
+
+    suite = suites.load(_write(tmp_path, 'models = ["m"]\n[[run]]\ntask = "ruler-real"\nmethods = ["full", "snapkv"]\n'
+                                         'budgets = [0.25]\nlengths = [4096]\nsamples = 1\n[[run]]\ntask = "ruler-real"\n'
+                                         'methods = ["snapkv"]\nbudgets = [0.25]\nlengths = [16384]\nsamples = 1\n'
+                                         'prefill_chunk = 1024'))
+    row = {"task": "niah_single_1", "seed": 0, "score": 1.0, "date": "2026-12-03"}
+    rows = [{**row, "method": "full", "budget": 1.0, "length": 4096}, {**row, "method": "snapkv", "budget": 0.25, "length": 4096},
+            {**row, "method": "snapkv@chunk1024", "budget": 0.25, "length": 16384}]
+    out = suites.folder(suite, "m", tmp_path)
+    out.mkdir(parents=True)
+    (out / "ruler-real.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    press = [{**row, "method": "kvpress:snapkv", "budget": 0.25, "length": n, "model": model}
+             for n, model in [(4096, "m"), (16384, "m"), (4096, "other")]]
+    (tmp_path / "kvpress_ruler.jsonl").write_text("".join(json.dumps(r) + "\n" for r in press))
+    seen = {}
+    monkeypatch.setattr(report, "ruler_curves", lambda by_model, kvpress, path, length: seen.update(
+        by_model=by_model, kvpress=kvpress, length=length) or path)
+    suites.plots(suite, tmp_path / "plots", root=tmp_path)
+    assert seen["length"] == 4096
+    assert sorted(r["method"] for r in seen["by_model"]["m"]) == ["full", "snapkv"]
+    assert [(r["model"], r["length"]) for r in seen["kvpress"]] == [("m", 4096), ("other", 4096)]
+    monkeypatch.undo()  # the real plot, from the same rows
+    (path,) = suites.plots(suite, tmp_path / "plots", root=tmp_path)
+    assert path.stat().st_size > 0
