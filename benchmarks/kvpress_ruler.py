@@ -211,11 +211,17 @@ def skip_sliding_layers() -> None:
 TWINS = {"no_press": "full", "snapkv": "snapkv", "expected_attention": "expected_attention:alloc=adakv:floor=0.2:epsilon=0.01",
          "expected_attention_uniform": "expected_attention", "keydiff": "keydiff", "streaming_llm": "streamingllm",
          "kvzip": "kvzip", "kvzip_plus": "kvzip:plus=true", "merging_expected_attention": "mergingpress"}
+# the twins with kvpress's own parameters, as benchmarks/kvpress_crosscheck.py aligns them (docs/methods.md)
+ALIGNED = {"snapkv": "snapkv:obs_window=64:kernel=5:window=64:sinks=0", "kvzip": "kvzip:alloc=head:window=0",
+           "expected_attention": "expected_attention:alloc=adakv:floor=0.2:epsilon=0.01:window=0",
+           "expected_attention_uniform": "expected_attention:window=0", "keydiff": "keydiff:sinks=0:window=0",
+           "merging_expected_attention": "mergingpress:window=0"}
 
 
 def compare(kvpress_rows: Path, kvmerge_rows: Path, model: str) -> str:
-    """A markdown table: per press and budget, kvpress's score and kvmerge's twin method's (`TWINS`) on
-    the samples both ran, and on how many of them the two scored the same."""
+    """A markdown table: per press and budget, kvpress's score and kvmerge's twin method's (`TWINS`, and
+    `ALIGNED` where those rows exist) on the samples both ran, and on how many of them the two scored
+    the same."""
     def read(path):
         return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
@@ -223,7 +229,8 @@ def compare(kvpress_rows: Path, kvmerge_rows: Path, model: str) -> str:
     theirs = [r for r in read(kvpress_rows) if r["model"] == model]
     lines = ["| kvpress 0.5.5 | kvmerge | budget (ratio) | samples (tasks) | kvpress | kvmerge | same score on |",
              "|---|---|---|---|---|---|---|"]
-    for press, twin in TWINS.items():
+    pairs = [(press, twin) for press in TWINS for twin in (TWINS[press], ALIGNED.get(press)) if twin]
+    for press, twin in pairs:
         for budget in (1.0, 0.5, 0.25, 0.1):
             both = [(r, ours[key]) for r in theirs if r["method"] == f"kvpress:{press}" and abs(r["budget"] - budget) < 1e-6
                     and (key := (twin, budget, r["task"], r["seed"])) in ours]

@@ -293,8 +293,10 @@ def plots(suite: Suite, plot_dir, root="results", models=None) -> list[Path]:
     if not any(r.task == "ruler-real" for r in suite.runs):
         return []
     length = min(n for r in suite.runs if r.task == "ruler-real" for n in r.lengths)  # one length a plot
+    labels = {m for r in suite.runs if r.task == "ruler-real" for m in r.labels()}  # the suite's methods only
     by_model = {m: list({run_key(r["method"], r["budget"], r): r
-                         for r in _read(folder(suite, m, root) / "ruler-real.jsonl") if r["length"] == length}.values())
+                         for r in _read(folder(suite, m, root) / "ruler-real.jsonl")
+                         if r["length"] == length and r["method"] in labels}.values())
                 for m in models or suite.models}
     kvpress = Path(root) / "kvpress_ruler.jsonl"
     rows = list({(r["model"], r["method"], r["budget"], r["task"], r["seed"]): r

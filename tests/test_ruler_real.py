@@ -168,7 +168,9 @@ def test_benchmark_compares_on_the_samples_both_ran(tmp_path):
               for t, i, s in (("vt", 0, 1.0), ("cwe", 0, 0.5), ("qa_1", 1, 1.0))]
     ours = [{"method": "snapkv", "budget": 0.25, "task": t, "seed": i, "score": s}
             for t, i, s in (("vt", 0, 1.0), ("cwe", 0, 0.0))]  # qa_1#1 not run by kvmerge
+    ours += [{**r, "method": bench.ALIGNED["snapkv"], "score": 1.0 - r["score"] / 2} for r in ours]
     for name, rows in (("p.jsonl", theirs), ("k.jsonl", ours)):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = bench.compare(tmp_path / "p.jsonl", tmp_path / "k.jsonl", "m")
     assert "| `snapkv` | `snapkv` | 25% (0.75) | 2 (2) | 75.0% | 50.0% | 1 of 2 |" in table
+    assert f"| `snapkv` | `{bench.ALIGNED['snapkv']}` | 25% (0.75) | 2 (2) | 75.0% | 75.0% | 0 of 2 |" in table

@@ -181,7 +181,8 @@ def test_ruler_plot_draws_one_length_and_the_models_kvpress_rows(tmp_path, monke
                                          'prefill_chunk = 1024'))
     row = {"task": "niah_single_1", "seed": 0, "score": 1.0, "date": "2026-12-03"}
     rows = [{**row, "method": "full", "budget": 1.0, "length": 4096}, {**row, "method": "snapkv", "budget": 0.25, "length": 4096},
-            {**row, "method": "snapkv@chunk1024", "budget": 0.25, "length": 16384}]
+            {**row, "method": "snapkv@chunk1024", "budget": 0.25, "length": 16384},
+            {**row, "method": "keydiff", "budget": 0.25, "length": 4096}]  # not the suite's
     out = suites.folder(suite, "m", tmp_path)
     out.mkdir(parents=True)
     (out / "ruler-real.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
