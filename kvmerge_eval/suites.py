@@ -238,15 +238,14 @@ def totals(suite: Suite, model: str, cells: list[dict], budgets=None) -> str | N
 
 def averages(suite: Suite, model: str, cells: list[dict], budgets=None) -> str | None:
     """For runs of tasks with subtasks averaged as a benchmark (RULER): per method and budget, the mean
-    score over every subtask's samples (each subtask's mean weighted by its samples: the mean of the
-    subtask means when every subtask has as many), with the samples; the budget also named as
-    kvpress's compression ratio. None when the suite has no such run."""
+    of the subtasks' mean scores, as RULER averages its tasks (a subtask with more samples measured
+    weighs no more), with the subtasks and samples it covers; the budget also named as kvpress's
+    compression ratio. None when the suite has no such run."""
     runs = [r for r in suite.runs if model in r.models and r.task == "ruler-real"]
     if not runs:
         return None
-    shown = sorted({b for r in runs for b in r.budgets if budgets is None or b in budgets}, reverse=True)
-    lengths = sorted({n for r in runs for n in r.lengths})
-    cols = [(n, b) for n in lengths for b in shown]
+    cols = sorted({(n, b) for r in runs for n in r.lengths for b in r.budgets if budgets is None or b in budgets},
+                  key=lambda c: (c[0], -c[1]))  # the (length, budget) pairs some run measures
     head = ["method (RULER average)"] + [f"{n / 1024:g}k {b:.0%} (ratio {1 - b:.2f})" for n, b in cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     tasks = {t for r in runs for _name, t, _n, _b in columns(r)}
@@ -256,7 +255,7 @@ def averages(suite: Suite, model: str, cells: list[dict], budgets=None) -> str |
             rs = [c for c in cells if c["method"] == label and c["task"] in tasks and c["length"] == n
                   and c["budget"] == _budget(label, b)]
             total = sum(c["n"] for c in rs)
-            out.append("–" if not rs else f"{sum(c['score'] * c['n'] for c in rs) / total:.1%} ({len(rs)} tasks, {total})")
+            out.append("–" if not rs else f"{sum(c['score'] for c in rs) / len(rs):.1%} ({len(rs)} tasks, {total})")
         if any(x != "–" for x in out):
             lines.append(f"| {label} | " + " | ".join(out) + " |")
     return "\n".join(lines)

@@ -199,3 +199,16 @@ def test_ruler_plot_draws_one_length_and_the_models_kvpress_rows(tmp_path, monke
     monkeypatch.undo()  # the real plot, from the same rows
     (path,) = suites.plots(suite, tmp_path / "plots", root=tmp_path)
     assert path.stat().st_size > 0
+
+
+def test_ruler_average_is_the_mean_of_task_means_over_the_measured_lengths_and_budgets(tmp_path):
+    suite = suites.load(_write(tmp_path, 'models = ["m"]\n[[run]]\ntask = "ruler-real"\nmethods = ["snapkv"]\n'
+                                         'budgets = [0.5, 0.25]\nlengths = [4096]\nsamples = 2\n[[run]]\n'
+                                         'task = "ruler-real"\nmethods = ["snapkv"]\nbudgets = [0.25]\n'
+                                         'lengths = [16384]\nsamples = 2\nprefill_chunk = 1024'))
+    rows = [{"method": "snapkv", "budget": 0.25, "length": 4096, "task": t, "seed": i, "score": s}
+            for t, i, s in (("vt", 0, 1.0), ("vt", 1, 1.0), ("cwe", 0, 0.0))]
+    table = suites.averages(suite, "m", suites._cells(rows)).splitlines()
+    assert table[0] == ("| method (RULER average) | 4k 50% (ratio 0.50) | 4k 25% (ratio 0.75) | "
+                        "16k 25% (ratio 0.75) |")  # no 16k 50%: no run measures it
+    assert table[2] == "| snapkv | – | 50.0% (2 tasks, 3) | – |"  # (1 + 0) / 2, not 2 of 3 samples
