@@ -17,11 +17,13 @@ are read from `$KVMERGE_CACHE/ruler/<tokenizer id>/<length>/<task>_<samples>.jso
 A row: {"method": "kvpress:<press>", "budget": 1 - ratio, "task", "length", "seed" (the sample's index),
 "answer", "prediction", "score", "answer_prefix", "max_new_tokens", "model", "press", "seconds", "date"}.
 
-Gemma-3's sliding-window layers: kvpress 0.5.5 leaves them uncompressed, as kvmerge does, but its check names
-only `Gemma3ForConditionalGeneration`, so on the text-only `Gemma3ForCausalLM` (Gemma-3-270M) every layer is
-compressed, the sliding ones' last window slots included. `--sliding skip` (the default) applies kvpress's own
-rule to `Gemma3ForCausalLM` too; `--sliding compress` leaves kvpress as it is, and its rows are named
-`kvpress:<press>:compress-sliding`. KVzipPress registers its own hooks on every layer in either mode.
+Gemma-3's sliding-window layers: kvmerge keeps them whole (or, with `sliding=`, their last slots) and
+compresses the global layers. kvpress 0.5.5 means to skip them too, but its check names only
+`Gemma3ForConditionalGeneration`; on the text-only `Gemma3ForCausalLM` (Gemma-3-270M) its pipeline's cache
+(a `DynamicCache` made without the model's config) holds every position of every layer, windowed by the mask,
+and every layer is compressed. Its own rule cannot be forced there: the question's pass then sizes the
+global layers' mask from layer 0 (a sliding layer held whole) and fails. So on a model with sliding layers
+the rows are named `kvpress:<press>:compress-sliding`: another method than kvmerge's twin, not compared.
 """
 
 from __future__ import annotations
@@ -166,17 +168,13 @@ def run(args) -> None:
                                                  local_files_only=True).eval()
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
-    suffix = ""
-    if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
-        if args.sliding == "skip":
-            skip_sliding_layers()
-        else:
-            suffix = ":compress-sliding"
+    sliding = "sliding_attention" in (getattr(model.config, "layer_types", None) or [])
+    suffix = ":compress-sliding" if sliding else ""  # see the module's docstring
     with out.open("a") as f:
         for name in names:
             for ratio in [0.0] if name == "no_press" else ratios:
                 for s in data:
-                    row = {"method": f"kvpress:{name}{suffix}", "budget": round(1 - ratio, 6), "task": s["task"],
+                    row = {"method": f"kvpress:{name}{suffix if name != 'no_press' else ''}", "budget": round(1 - ratio, 6), "task": s["task"],
                            "length": s["length"], "seed": s["index"], "model": args.model}
                     if key(row) in done:
                         continue
@@ -197,15 +195,6 @@ def run(args) -> None:
                     f.flush()
                     print(f"{name} {ratio} {s['task']}#{s['index']}: {row['score']:.2f} {prediction[:60]!r}",
                           file=sys.stderr)
-
-
-def skip_sliding_layers() -> None:
-    """kvpress's Gemma-3 rule (sliding-window layers are not compressed) for `Gemma3ForCausalLM` too: the
-    name its `BasePress.__call__` tests with `isinstance` becomes a tuple of both classes."""
-    from kvpress.presses import base_press
-    from transformers import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
-
-    base_press.Gemma3ForConditionalGeneration = (Gemma3ForConditionalGeneration, Gemma3ForCausalLM)
 
 
 TWINS = {"no_press": "full", "snapkv": "snapkv", "expected_attention": "expected_attention:alloc=adakv:floor=0.2:epsilon=0.01",
@@ -252,9 +241,6 @@ def main(argv=None) -> None:
     p.add_argument("--ratios", default="0.5,0.75,0.9", help="kvpress compression ratios (budget = 1 - ratio)")
     p.add_argument("--out", default="results/kvpress_ruler.jsonl")
     p.add_argument("--limit", type=int, default=None, help="the first N samples only (every task's first sample first)")
-    p.add_argument("--sliding", choices=("skip", "compress"), default="skip",
-                   help="Gemma-3's sliding layers: skip them as kvpress does for Gemma3ForConditionalGeneration "
-                        "(default), or compress them as kvpress 0.5.5 does for Gemma3ForCausalLM")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--compare", default=None, metavar="ROWS",
                    help="print kvpress's rows (--out) beside kvmerge's in ROWS (a ruler-real.jsonl) and exit")
