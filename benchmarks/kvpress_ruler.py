@@ -22,8 +22,9 @@ compresses the global layers. kvpress 0.5.5 means to skip them too, but its chec
 `Gemma3ForConditionalGeneration`; on the text-only `Gemma3ForCausalLM` (Gemma-3-270M) its pipeline's cache
 (a `DynamicCache` made without the model's config) holds every position of every layer, windowed by the mask,
 and every layer is compressed. Its own rule cannot be forced there: the question's pass then sizes the
-global layers' mask from layer 0 (a sliding layer held whole) and fails. So on a model with sliding layers
-the rows are named `kvpress:<press>:compress-sliding`: another method than kvmerge's twin, not compared.
+global layers' mask from layer 0 (a sliding layer held whole) and fails. So on such a model the rows of a
+press are named `kvpress:<press>:compress-sliding` (`no_press` keeps its name: nothing is compressed):
+another method than kvmerge's twin, not compared.
 """
 
 from __future__ import annotations
@@ -168,8 +169,10 @@ def run(args) -> None:
                                                  local_files_only=True).eval()
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
+    from transformers import Gemma3ForConditionalGeneration  # the one class kvpress skips sliding layers of
+
     sliding = "sliding_attention" in (getattr(model.config, "layer_types", None) or [])
-    suffix = ":compress-sliding" if sliding else ""  # see the module's docstring
+    suffix = ":compress-sliding" if sliding and not isinstance(model, Gemma3ForConditionalGeneration) else ""
     with out.open("a") as f:
         for name in names:
             for ratio in [0.0] if name == "no_press" else ratios:
@@ -214,7 +217,8 @@ def compare(kvpress_rows: Path, kvmerge_rows: Path, model: str) -> str:
     def read(path):
         return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
-    ours = {(r["method"], round(float(r["budget"]), 6), r["task"], r["seed"]): r["score"] for r in read(kvmerge_rows)}
+    ours = {(r["method"], round(float(r["budget"]), 6), r["task"], r["length"], r["seed"]): r["score"]
+            for r in read(kvmerge_rows)}
     theirs = [r for r in read(kvpress_rows) if r["model"] == model]
     lines = ["| kvpress 0.5.5 | kvmerge | budget (ratio) | samples (tasks) | kvpress | kvmerge | same score on |",
              "|---|---|---|---|---|---|---|"]
@@ -222,7 +226,7 @@ def compare(kvpress_rows: Path, kvmerge_rows: Path, model: str) -> str:
     for press, twin in pairs:
         for budget in (1.0, 0.5, 0.25, 0.1):
             both = [(r, ours[key]) for r in theirs if r["method"] == f"kvpress:{press}" and abs(r["budget"] - budget) < 1e-6
-                    and (key := (twin, budget, r["task"], r["seed"])) in ours]
+                    and (key := (twin, budget, r["task"], r["length"], r["seed"])) in ours]
             if both:
                 same = sum(abs(r["score"] - o) < 1e-9 for r, o in both)
                 lines.append(f"| `{press}` | `{twin}` | {budget:.0%} ({1 - budget:.2f}) | {len(both)} "

@@ -164,10 +164,10 @@ def test_benchmark_compares_on_the_samples_both_ran(tmp_path):
     spec = importlib.util.spec_from_file_location("kvpress_ruler", ROOT / "benchmarks" / "kvpress_ruler.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    theirs = [{"method": "kvpress:snapkv", "budget": 0.25, "task": t, "seed": i, "score": s, "model": "m"}
+    theirs = [{"method": "kvpress:snapkv", "budget": 0.25, "task": t, "length": 4096, "seed": i, "score": s, "model": "m"}
               for t, i, s in (("vt", 0, 1.0), ("cwe", 0, 0.5), ("qa_1", 1, 1.0))]
-    ours = [{"method": "snapkv", "budget": 0.25, "task": t, "seed": i, "score": s}
-            for t, i, s in (("vt", 0, 1.0), ("cwe", 0, 0.0))]  # qa_1#1 not run by kvmerge
+    ours = [{"method": "snapkv", "budget": 0.25, "task": t, "length": n, "seed": i, "score": s}
+            for t, n, i, s in (("vt", 4096, 0, 1.0), ("cwe", 4096, 0, 0.0), ("qa_1", 16384, 1, 1.0))]  # qa_1#1 not at 4k
     ours += [{**r, "method": bench.ALIGNED["snapkv"], "score": 1.0 - r["score"] / 2} for r in ours]
     for name, rows in (("p.jsonl", theirs), ("k.jsonl", ours)):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
