@@ -138,7 +138,8 @@ def _heatmaps(raw, folder) -> Path:
 
 
 KVPRESS_TWINS = {"snapkv": "snapkv", "keydiff": "keydiff", "streaming_llm": "streamingllm", "kvzip": "kvzip",
-                 "expected_attention": "expected_attention", "expected_attention_uniform": "expected_attention",
+                 "expected_attention": "expected_attention:alloc=adakv:floor=0.2:epsilon=0.01",
+                 "expected_attention_uniform": "expected_attention",
                  "kvzip_plus": "kvzip:plus=true", "merging_expected_attention": "mergingpress"}
 
 
@@ -159,8 +160,11 @@ def ruler_curves(by_model: dict[str, list[dict]], kvpress: list[dict], path, len
         ran: dict = defaultdict(set)
         for r, src in rows:
             ran[(r["method"], src, r["budget"])].add((r["task"], r["seed"]))
-        # the sample set that the most points × samples cover: one point's own set, kept by every point that ran it all
-        common = max(ran.values(), key=lambda c: len(c) * sum(c <= other for other in ran.values()))
+        # one point's own sample set, among those with every task: the one that the most points ran all of (kvpress's
+        # included), then the largest; a point that did not run it all is left out
+        tasks = {t for c in ran.values() for t, _ in c}
+        whole = [c for c in ran.values() if {t for t, _ in c} == tasks] or list(ran.values())
+        common = max(whole, key=lambda c: (sum(c <= other for other in ran.values()), len(c)))
         points: dict = defaultdict(lambda: defaultdict(list))
         for r, src in rows:
             if (r["task"], r["seed"]) in common and common <= ran[(r["method"], src, r["budget"])]:
