@@ -175,9 +175,10 @@ def run(args) -> None:
     suffix = ":compress-sliding" if sliding and not isinstance(model, Gemma3ForConditionalGeneration) else ""
     with out.open("a") as f:
         for name in names:
+            method = f"kvpress:{name}" + ("" if name == "no_press" else suffix)  # no press compresses nothing
             for ratio in [0.0] if name == "no_press" else ratios:
                 for s in data:
-                    row = {"method": f"kvpress:{name}{suffix if name != 'no_press' else ''}", "budget": round(1 - ratio, 6), "task": s["task"],
+                    row = {"method": method, "budget": round(1 - ratio, 6), "task": s["task"],
                            "length": s["length"], "seed": s["index"], "model": args.model}
                     if key(row) in done:
                         continue
