@@ -3,10 +3,12 @@ stdlib/Perl pieces `kvmerge train-scorer` did not fit on; no evaluation genre), 
 
     .venv/bin/python benchmarks/scorer_probe.py smollm2-135m
     .venv/bin/python benchmarks/scorer_probe.py gemma3-270m --kind mlp
+    .venv/bin/python benchmarks/scorer_probe.py smollm2-135m --judge-text docs   # judged on the dev genre
 
 Each probe is a second-stage ridge per (layer, KV head) on [the scorer's prediction, the probe's
 features, 1], fitted on `--fit` pieces and judged on `--judge` others (pieces 110 on, after the 100
-fitted and 6 held back by training; 1024 tokens each). Features, all from the one prefill unless said:
+fitted and 6 held back by training; 1024 tokens each), or on the first `--judge` pieces of an
+evaluation genre's text (`--judge-text docs`: Python's language reference, the dev genre). Features, all from the one prefill unless said:
 
 * `calibrated`: no features; the prediction mapped per head onto KVzip's score distribution (65
   quantiles of each, fitted pieces): global allocation then gives each head KVzip's typical count;
@@ -110,6 +112,7 @@ def main():
     ap.add_argument("--kind", default="linear", help="the shipped scorer to probe: linear or mlp")
     ap.add_argument("--fit", type=int, default=10)
     ap.add_argument("--judge", type=int, default=10)
+    ap.add_argument("--judge-text", default=None, help="judge on this evaluation genre's text (docs: the dev genre)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -118,14 +121,18 @@ def main():
     hq, h = c.num_attention_heads, c.num_key_value_heads
     shape = (hq, h, getattr(c, "head_dim", None) or c.hidden_size // hq)
     scorer, head = find(model.config, args.kind), _opening(tok)
-    chosen = pieces(tok, corpus(), 1024, 0)[110:110 + args.fit + args.judge]
+    chosen = pieces(tok, corpus(), 1024, 0)[110:110 + args.fit + (0 if args.judge_text else args.judge)]
+    if args.judge_text:
+        from kvmerge_eval.corpus import genre_text
+
+        chosen += [ids for ids in pieces(tok, [genre_text(args.judge_text)], 1024, 0)][:args.judge]
     start, data = time.perf_counter(), []
     for ids in chosen:
         pred, true, probes = piece_rows(model, tok, head + ids, scorer, shape)
         cut = slice(len(head) + SINKS, pred.shape[1] - WINDOW)
         data.append((pred[:, cut], true[:, cut], {k: v[:, cut] for k, v in probes.items()}))
     print(f"{args.model}, {args.kind} scorer: {len(chosen)} pieces in {time.perf_counter() - start:.0f} s "
-          f"(fitted on {args.fit}, judged on {args.judge})")
+          f"(fitted on {args.fit}, judged on {args.judge}{' of ' + args.judge_text if args.judge_text else ''})")
     fit, judge = data[:args.fit], data[args.fit:]
     cal = calibrator([p for p, _, _ in fit], [y for _, y, _ in fit])
     variants = {"prediction": lambda p, f: p, "calibrated": lambda p, f: cal(p), "echo alone": lambda p, f: f["echo"][..., 0]}
