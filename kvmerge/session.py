@@ -305,9 +305,8 @@ class Session:
             else:  # every row at once: the allocation ranked the whole layout, empty slots included (−inf)
                 layer.replace(*run(layer.kv(), rows))
             state.compressed_at = layer.seen
-        if not method.needs.decode_policy:  # heads left at different lengths are stored at their own
-            for layer in layers:
-                layer.compact()
+            if not method.needs.decode_policy:  # heads left at different lengths are stored at their own,
+                layer.compact()  # layer by layer: one padded layout at a time
         for state in self.states:
             state.queries = None
         self.captured.zero_()
