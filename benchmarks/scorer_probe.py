@@ -7,7 +7,7 @@ stdlib/Perl pieces `kvmerge train-scorer` did not fit on; no evaluation genre), 
 
 Each probe is a second-stage ridge per (layer, KV head) on [the scorer's prediction, the probe's
 features, 1], fitted on `--fit` pieces and judged on `--judge` others (pieces 110 on, after the 100
-fitted and 6 held back by training; 1024 tokens each), or on the first `--judge` pieces of an
+fitted and 6 held back by training; 1024 tokens each), or on `--judge` pieces of an
 evaluation genre's text (`--judge-text docs`: Python's language reference, the dev genre). Features, all from the one prefill unless said:
 
 * `calibrated`: no features; the prediction mapped per head onto KVzip's score distribution (65
