@@ -78,10 +78,15 @@ def piece_rows(model, tok, ids, scorer, shape):
     return pred, torch.stack([y for _, y in rows]), probes
 
 
-def stage_two(fit, feats):
-    """Ridge per (layer, head) of KVzip's log score on [prediction, features, 1] → weights `(L, h, f + 2)`."""
-    x = torch.cat([torch.cat([p[..., None], f, torch.ones_like(p)[..., None]], -1) for p, _, f in zip(*fit, feats)], 1).double()
-    y = torch.cat(fit[1], 1).double()
+def design(pred, feats):
+    """[prediction, features, 1] per entry: `(L, n, h)`, `(L, n, h, f)` → `(L, n, h, f + 2)`."""
+    return torch.cat([pred[..., None], feats, torch.ones_like(pred)[..., None]], -1)
+
+
+def stage_two(preds, trues, feats):
+    """Ridge per (layer, head) of KVzip's log score on `design` → weights `(L, h, f + 2)`."""
+    x = torch.cat([design(p, f) for p, f in zip(preds, feats)], 1).double()
+    y = torch.cat(trues, 1).double()
     w = torch.zeros(x.shape[0], x.shape[2], x.shape[3], dtype=torch.float64)
     for layer in range(x.shape[0]):
         for a in range(x.shape[2]):
@@ -125,7 +130,7 @@ def main():
     if args.judge_text:
         from kvmerge_eval.corpus import genre_text
 
-        chosen += [ids for ids in pieces(tok, [genre_text(args.judge_text)], 1024, 0)][:args.judge]
+        chosen += pieces(tok, [genre_text(args.judge_text)], 1024, 0)[:args.judge]
     start, data = time.perf_counter(), []
     for ids in chosen:
         pred, true, probes = piece_rows(model, tok, head + ids, scorer, shape)
@@ -134,11 +139,12 @@ def main():
     print(f"{args.model}, {args.kind} scorer: {len(chosen)} pieces in {time.perf_counter() - start:.0f} s "
           f"(fitted on {args.fit}, judged on {args.judge}{' of ' + args.judge_text if args.judge_text else ''})")
     fit, judge = data[:args.fit], data[args.fit:]
-    cal = calibrator([p for p, _, _ in fit], [y for _, y, _ in fit])
+    preds, trues = [p for p, _, _ in fit], [y for _, y, _ in fit]
+    cal = calibrator(preds, trues)
     variants = {"prediction": lambda p, f: p, "calibrated": lambda p, f: cal(p), "echo alone": lambda p, f: f["echo"][..., 0]}
     for name in ("local", "surprisal", "echo"):
-        w = stage_two(([p for p, _, _ in fit], [y for _, y, _ in fit]), [f[name] for _, _, f in fit])
-        variants[f"+ {name}"] = lambda p, f, w=w, name=name: (torch.cat([p[..., None], f[name], torch.ones_like(p)[..., None]], -1).double() * w[:, None]).sum(-1).float()
+        w = stage_two(preds, trues, [f[name] for _, _, f in fit])
+        variants[f"+ {name}"] = lambda p, f, w=w, name=name: (design(p, f[name]).double() * w[:, None]).sum(-1).float()
     print("| scores | per head top-10% | top-25% | all heads top-10% | top-25% |\n|---|---|---|---|---|")
     for name, score in variants.items():
         cells = []
