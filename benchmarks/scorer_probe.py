@@ -28,9 +28,10 @@ import torch
 import kvmerge
 from kvmerge.methods import get_method
 from kvmerge.ops.scores import echo_attention, rotate_half
-from kvmerge.scorer import find
+from kvmerge.scorer import KINDS, find
 from kvmerge.session import Session
 from kvmerge.train_scorer import _opening, corpus, examples, overlap, pieces
+from kvmerge_eval.corpus import GENRES, genre_text
 
 SINKS, WINDOW, DELTAS = 4, 32, (-2, -1, 0, 1, 2)
 
@@ -114,10 +115,10 @@ def calibrator(preds, trues, levels=65):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
-    ap.add_argument("--kind", default="linear", help="the shipped scorer to probe: linear or mlp")
+    ap.add_argument("--kind", default="linear", choices=KINDS, help="the shipped scorer to probe")
     ap.add_argument("--fit", type=int, default=10)
     ap.add_argument("--judge", type=int, default=10)
-    ap.add_argument("--judge-text", default=None, help="judge on this evaluation genre's text (docs: the dev genre)")
+    ap.add_argument("--judge-text", default=None, choices=GENRES, help="judge on this evaluation genre's text (docs: the dev genre)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -128,8 +129,6 @@ def main():
     scorer, head = find(model.config, args.kind), _opening(tok)
     chosen = pieces(tok, corpus(), 1024, 0)[110:110 + args.fit + (0 if args.judge_text else args.judge)]
     if args.judge_text:
-        from kvmerge_eval.corpus import genre_text
-
         chosen += pieces(tok, [genre_text(args.judge_text)], 1024, 0)[:args.judge]
     start, data = time.perf_counter(), []
     for ids in chosen:
