@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import InputError, one_line
 from .ops.scores import rotate_half
 
 SHIPPED = Path(__file__).parent / "scorers"
@@ -61,22 +62,62 @@ class Scorer:
         return self.from_features(layer, features(queries, keys, values)).clamp_max(0.0).transpose(1, 2)
 
     def save(self, path: Path) -> None:
+        """Write the weights to `path` whole: into a temporary file beside it, then renamed over it, so
+        that a run stopped mid-write leaves no half-written weights where `find` looks."""
+        import os
+
         from safetensors.torch import save_file
 
+        path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.tensors().items()}, str(path),
-                  metadata={"model": self.model, "kind": self.kind, "meta": json.dumps(self.meta)})
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            save_file({k: v.contiguous() for k, v in self.tensors().items()}, str(tmp),
+                      metadata={"model": self.model, "kind": self.kind, "meta": json.dumps(self.meta)})
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def shape(self) -> tuple[int, int, int]:
+        """(compressed layers, features per token, KV heads) the weights are for."""
+        raise NotImplementedError
 
     @classmethod
-    def load(cls, path: Path) -> Scorer:
-        """The scorer in `path`, of the kind its metadata names (files without one are linear)."""
-        from safetensors import safe_open
+    def load(cls, path: Path, config=None) -> Scorer:
+        """The scorer in `path`, of the kind its metadata names (files without one are linear). With the
+        model's `config`, weights made for another model (fingerprint or shapes) are refused, naming
+        both. A truncated or corrupt file, or one `kvmerge train-scorer` did not write, is refused
+        naming the file (an `InputError`), before any tensor is used."""
+        path = Path(path)
+        meta, tensors = _read(path)
+        kind = meta.get("kind", "linear")
+        if kind not in KINDS:
+            raise InputError(f"scorer weights {path} are of an unknown kind {kind!r} (kinds: {', '.join(KINDS)}): "
+                             "not a file this kvmerge wrote; train them again with `kvmerge train-scorer`")
+        try:
+            extra = json.loads(meta.get("meta", "{}"))
+            scorer = KINDS[kind].from_tensors(tensors, meta["model"], extra)
+            scorer.shape()
+        except (KeyError, IndexError, ValueError, TypeError, RuntimeError) as e:
+            raise InputError(f"scorer weights {path} are incomplete or corrupt ({type(e).__name__}: {one_line(e)}): "
+                             "delete them and train them again with `kvmerge train-scorer --model <the model>`") from None
+        if config is not None:
+            scorer.check(config, path)
+        return scorer
 
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata()
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-        kind = KINDS[meta.get("kind", "linear")]
-        return kind.from_tensors(tensors, meta["model"], json.loads(meta["meta"]))
+    def check(self, config, path: Path | str = "") -> None:
+        """Refuse (`InputError`, naming both) unless these weights were made for the model with `config`:
+        its fingerprint and its attention's shapes."""
+        mine = model_shape(config)
+        if self.model == fingerprint(config) and self.shape() == mine:
+            return
+        name = _model_name(config)
+        theirs = self.meta.get("model_name") or (Path(path).stem.removesuffix("-mlp") if Path(path).parent == SHIPPED
+                                                   else None)
+        raise InputError(f"scorer weights {path or '(in memory)'} were made for another model "
+                         f"({_describe(theirs, self.model, self.shape())}), not for this one "
+                         f"({_describe(name, fingerprint(config), mine)}): train this model's with "
+                         f"`kvmerge train-scorer --model {name}`")
 
 
 @dataclass
@@ -95,8 +136,17 @@ class LinearScorer(Scorer):
     def tensors(self) -> dict:
         return {f"layer{i}": w for i, w in enumerate(self.weights)}
 
+    def shape(self) -> tuple[int, int, int]:
+        sizes = {tuple(w.shape) for w in self.weights}
+        if len(sizes) != 1 or len(next(iter(sizes))) != 2:
+            raise ValueError(f"layer weights of shapes {sorted(sizes)}, expected one (features + 1, heads)")
+        rows, heads = next(iter(sizes))
+        return len(self.weights), rows - 1, heads
+
     @classmethod
     def from_tensors(cls, tensors: dict, model: str, meta: dict) -> LinearScorer:
+        if not tensors:
+            raise ValueError("no tensors")
         return cls([tensors[f"layer{i}"] for i in range(len(tensors))], model, meta)
 
 
@@ -119,13 +169,67 @@ class MLPScorer(Scorer):
     def tensors(self) -> dict:
         return {f"layer{i}.{k}": v.half() for i, layer in enumerate(self.layers) for k, v in layer.items()}
 
+    def shape(self) -> tuple[int, int, int]:
+        sizes = {(tuple(p["mu"].shape), tuple(p["w1"].shape), tuple(p["w2"].shape), tuple(p["b2"].shape))
+                 for p in self.layers}
+        if len(sizes) != 1:
+            raise ValueError(f"layers of different shapes {sorted(sizes)}")
+        (features,), (rows, hidden), (hidden2, heads), _ = next(iter(sizes))
+        if rows != features or hidden2 != hidden:
+            raise ValueError(f"w1 {(rows, hidden)} and w2 {(hidden2, heads)} do not chain from {features} features")
+        return len(self.layers), features, heads
+
     @classmethod
     def from_tensors(cls, tensors: dict, model: str, meta: dict) -> MLPScorer:
         n = len(tensors) // len(cls.PARTS)
+        if not n or n * len(cls.PARTS) != len(tensors):
+            raise ValueError(f"{len(tensors)} tensors, not {len(cls.PARTS)} per layer")
         return cls([{k: tensors[f"layer{i}.{k}"] for k in cls.PARTS} for i in range(n)], model, meta)
 
 
 KINDS = {"linear": LinearScorer, "mlp": MLPScorer}
+
+
+def model_shape(config) -> tuple[int, int, int]:
+    """(compressed layers, features per token, KV heads) a scorer for the model with `config` has: its
+    full-attention layers, (query heads + 2 × KV heads) × head size, its KV heads."""
+    from .sliding import layer_windows
+
+    c = config.get_text_config(decoder=True)
+    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    layers = sum(1 for w in layer_windows(config) if w is None)
+    return layers, (c.num_attention_heads + 2 * c.num_key_value_heads) * d, c.num_key_value_heads
+
+
+def _model_name(config) -> str:
+    return getattr(config, "name_or_path", "") or config.get_text_config(decoder=True).model_type
+
+
+def _describe(name: str | None, key: str, shape: tuple[int, int, int]) -> str:
+    layers, features, heads = shape
+    return (f"{name + ', ' if name else ''}fingerprint {key}, {layers} layers of {features} features "
+            f"to {heads} KV heads")
+
+
+def _read(path: Path, tensors: bool = True) -> tuple[dict, dict]:
+    """(metadata, tensors) of the safetensors file `path` (no tensors read unless `tensors`); an
+    `InputError` naming the file when it is missing, truncated or corrupt, or names no model."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            out = {k: f.get_tensor(k) for k in f.keys()} if tensors else {}
+    except FileNotFoundError:
+        raise InputError(f"no scorer weights file {path}") from None
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        reason = one_line(e).removeprefix("Error while deserializing header: ")
+        raise InputError(f"scorer weights {path} are truncated or corrupt, not a whole safetensors file ({reason}): "
+                         "delete the file and train them again with `kvmerge train-scorer --model <the model>`") from None
+    if "model" not in meta:
+        raise InputError(f"scorer weights {path} name no model in their metadata: not a file `kvmerge train-scorer` "
+                         "wrote")
+    return meta, out
 
 
 def trained_path(config, kind: str = "linear") -> Path:
@@ -138,23 +242,39 @@ def trained_path(config, kind: str = "linear") -> Path:
 
 def find(config, kind: str = "linear") -> Scorer:
     """The scorer of `kind` for the model with `config`: trained here (`trained_path`), in a folder of
-    `$KVMERGE_SCORERS` (os.pathsep-separated) or shipped with kvmerge; a ValueError saying how to
-    train one when there is none."""
+    `$KVMERGE_SCORERS` (os.pathsep-separated) or shipped with kvmerge; an `InputError` saying how to
+    train one when there is none. The file at `trained_path` must be this model's (it is named by its
+    fingerprint): one whose metadata names another model is refused, naming both; elsewhere files of
+    other models are passed over, and one naming this model is checked against its shapes."""
+    if kind not in KINDS:
+        raise InputError(f"no scorer kind {kind!r}; kinds: {', '.join(KINDS)}")
+    path = locate(config, kind)
+    if path is None:
+        key, name = fingerprint(config), _model_name(config)
+        flag = "" if kind == "linear" else f" --kind {kind}"
+        raise InputError(f"no learned {kind} scorer for this model ({name}, fingerprint {key}): train one with "
+                         f"`kvmerge train-scorer --model <the model's name or path>{flag}` (about 15 minutes on a CPU)")
+    return Scorer.load(path, config)
+
+
+def locate(config, kind: str = "linear") -> Path | None:
+    """The weights file `find` would load for the model with `config` (None: there is none). Reads
+    metadata only; a corrupt file among the candidates is refused naming it, as is a file at
+    `trained_path` made for another model."""
     import os
 
-    if kind not in KINDS:
-        raise ValueError(f"no scorer kind {kind!r}; kinds: {', '.join(KINDS)}")
     key = fingerprint(config)
+    own = trained_path(config, kind)
+    if own.exists():
+        meta, _ = _read(own, tensors=False)
+        if meta.get("model") != key or meta.get("kind", "linear") != kind:
+            Scorer.load(own, config)  # refused, naming both models
+            raise InputError(f"scorer weights {own} are a {meta.get('kind', 'linear')} scorer, not {kind}: "
+                             f"train them again with `kvmerge train-scorer --kind {kind}`")
+        return own
     folders = [Path(p) for p in os.environ.get("KVMERGE_SCORERS", "").split(os.pathsep) if p] + [SHIPPED]
-    from safetensors import safe_open
-
-    for path in (trained_path(config, kind), *(p for folder in folders for p in sorted(folder.glob("*.safetensors")))):
-        if path.exists():
-            with safe_open(str(path), "pt") as f:  # the metadata only: is it this model's, of this kind?
-                meta = f.metadata()
-            if meta.get("model") == key and meta.get("kind", "linear") == kind:
-                return Scorer.load(path)
-    name = getattr(config, "name_or_path", "") or config.get_text_config(decoder=True).model_type
-    flag = "" if kind == "linear" else f" --kind {kind}"
-    raise ValueError(f"no learned {kind} scorer for this model ({name}, fingerprint {key}): train one with "
-                     f"`kvmerge train-scorer --model <the model's name or path>{flag}` (about 15 minutes on a CPU)")
+    for path in (p for folder in folders for p in sorted(folder.glob("*.safetensors"))):
+        meta, _ = _read(path, tensors=False)  # the metadata only: is it this model's, of this kind?
+        if meta.get("model") == key and meta.get("kind", "linear") == kind:
+            return path
+    return None

@@ -191,7 +191,7 @@ def train(model, tokenizer, texts: int = 100, held: int = 6, length: int = 1024,
             if progress is not None:
                 progress(texts + j + 1, texts + held)
     fitted = {"ridge": ridge} if kind == "linear" else {"hidden": hidden, "epochs": epochs, "rows_per_text": rows_per_text}
-    scorer.meta = {"texts": texts, "held_back": held, "length": length, "seed": seed, **fitted,
+    scorer.meta = {"model_name": getattr(model.config, "name_or_path", "") or model.config.model_type, "texts": texts, "held_back": held, "length": length, "seed": seed, **fitted,
                    "tokens": texts * (len(head) + length), "seconds": round(time.perf_counter() - start, 1),
                    "top10_overlap": round(sum(agreement[0.1]) / held, 4),
                    "top25_overlap": round(sum(agreement[0.25]) / held, 4)}

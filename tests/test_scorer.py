@@ -156,3 +156,101 @@ def test_train_fits_either_kind_and_reports_its_agreement(kind, monkeypatch):
     assert scorer.kind == kind and scorer.meta["texts"] == 3 and 0.0 <= scorer.meta["top25_overlap"] <= 1.0
     q, k, v = torch.randn(1, 4, 10, 16), torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
     assert scorer.predict(0, q, k, v).shape == (1, 2, 10)
+
+
+def _weights_for(model, seed=0) -> LinearScorer:
+    """Random linear weights of the right shapes for `model`."""
+    from kvmerge.scorer import model_shape
+
+    layers, size, heads = model_shape(model.config)
+    g = torch.Generator().manual_seed(seed)
+    return LinearScorer([torch.randn(size + 1, heads, generator=g) * 0.1 for _ in range(layers)],
+                        fingerprint(model.config), {"model_name": "tiny-a"})
+
+
+def test_weights_made_for_another_model_are_refused_naming_both(tmp_path, monkeypatch):
+    """A file at this model's place (`trained_path`, named by its fingerprint) or loaded for it whose
+    metadata names another model is refused with both models' fingerprints and shapes, before a forward."""
+    from kvmerge.scorer import trained_path
+
+    monkeypatch.setenv("KVMERGE_CACHE", str(tmp_path))
+    other = tiny_model(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    theirs = _weights_for(tiny_model())
+    path = trained_path(other.config)
+    theirs.save(path)
+    a, b = fingerprint(tiny_model().config), fingerprint(other.config)
+    expected = (rf"scorer weights {path} were made for another model \(tiny-a, fingerprint {a}, 2 layers of 128 "
+                rf"features to 2 KV heads\), not for this one \(llama, fingerprint {b}, 2 layers of 64 features to "
+                r"1 KV heads\): train this model's with `kvmerge train-scorer --model llama`")
+    with pytest.raises(kvmerge.KVMergeError, match=expected):
+        find(other.config)
+    with pytest.raises(kvmerge.KVMergeError, match=expected):
+        Scorer.load(path, other.config)
+    calls = []
+    hook = other.model.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(kvmerge.KVMergeError, match="were made for another model"):
+        kvmerge.generate_ids(other, random_ids(100), [3], kvmerge.get_method("learnedzip", window=8), max_new_tokens=1)
+    hook.remove()
+    assert calls == []  # refused before the model ran
+
+
+def test_weights_naming_this_model_with_other_shapes_are_refused(tmp_path, monkeypatch):
+    """Same fingerprint, other shapes (a file edited or written by hand): refused, both shapes named."""
+    model = tiny_model(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    wrong = LinearScorer([torch.zeros(65, 1) for _ in range(3)], fingerprint(model.config), {})
+    wrong.save(tmp_path / "w.safetensors")
+    monkeypatch.setenv("KVMERGE_SCORERS", str(tmp_path))
+    with pytest.raises(kvmerge.KVMergeError, match=r"were made for another model \(fingerprint \w+, 3 layers of 64 "
+                       r"features to 1 KV heads\), not for this one \(llama, fingerprint \w+, 2 layers of 64"):
+        find(model.config)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_a_truncated_or_corrupt_weights_file_is_refused_naming_it(tmp_path, monkeypatch, damage):
+    model = tiny_model(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    path = tmp_path / "w.safetensors"
+    _weights_for(model).save(path)
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[:len(data) // 2], "garbage": b"not weights at all " * 20, "empty": b""}[damage])
+    message = (rf"scorer weights {path} are truncated or corrupt, not a whole safetensors file \([^)]*\): delete the "
+               r"file and train them again with `kvmerge train-scorer --model <the model>`$")
+    with pytest.raises(kvmerge.KVMergeError, match=message):
+        Scorer.load(path)
+    monkeypatch.setenv("KVMERGE_SCORERS", str(tmp_path))
+    with pytest.raises(kvmerge.KVMergeError, match=message):
+        find(model.config)
+
+
+def test_weights_without_kvmerge_metadata_are_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "x.safetensors"))
+    with pytest.raises(kvmerge.KVMergeError, match=rf"scorer weights {tmp_path / 'x.safetensors'} name no model in "
+                       r"their metadata: not a file `kvmerge train-scorer` wrote"):
+        Scorer.load(tmp_path / "x.safetensors")
+    save_file({"layer0": torch.zeros(3, 2), "layer1": torch.zeros(4, 2)}, str(tmp_path / "y.safetensors"),
+              metadata={"model": "abc", "kind": "linear", "meta": "{}"})
+    with pytest.raises(kvmerge.KVMergeError, match=r"y.safetensors are incomplete or corrupt \(ValueError: layer "
+                       r"weights of shapes"):
+        Scorer.load(tmp_path / "y.safetensors")
+
+
+def test_saving_weights_leaves_nothing_half_written(tmp_path, monkeypatch):
+    """A save that fails mid-write leaves neither a partial file nor its temporary beside it; an old
+    file at the place is kept whole."""
+    import safetensors.torch
+
+    model = tiny_model(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    path = tmp_path / "w.safetensors"
+    _weights_for(model, seed=1).save(path)
+    before = path.read_bytes()
+
+    def broken(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\x10\x00partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        _weights_for(model, seed=2).save(path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
