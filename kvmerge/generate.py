@@ -8,7 +8,6 @@ prompt, inside the protected recent window.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -339,7 +338,7 @@ def decode(session, logits, stats, max_new_tokens, eos_token_id=None, sampling=N
            stop=None, progress=None) -> GenerationOutput:
     """Generate from `logits` `(batch, vocab)` on the session's cache until each row ends (an id of
     `eos_token_id`, an int or ids, or `stop(row)`); `progress(phase, done, total)` per token."""
-    t0 = time.perf_counter()
+    t0 = session._clock()
     choose = (sampling or Sampling()).chooser()
     ends = torch.tensor([] if eos_token_id is None else
                         [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), dtype=torch.long)
@@ -361,6 +360,6 @@ def decode(session, logits, stats, max_new_tokens, eos_token_id=None, sampling=N
         logits = session.forward([[int(t)] for t in nxt])
     if streamer is not None:
         streamer.end()
-    stats.update(decode_seconds=time.perf_counter() - t0, new_tokens=[len(t) for t in tokens],
+    stats.update(decode_seconds=session._clock() - t0, new_tokens=[len(t) for t in tokens],
                  final_cache_bytes=session.cache.nbytes, **session.method.stats)
     return GenerationOutput(tokens=tokens, stats=Stats(stats))

@@ -53,6 +53,12 @@ class Session:
     def device(self):
         return next(self.model.parameters()).device
 
+    def _clock(self) -> float:
+        """`time.perf_counter()` once the device's queued work is done (CUDA runs asynchronously)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     # -- feeding tokens ----------------------------------------------------------------------
     def forward(self, rows: list[list[int]], decoding: bool = True, all_logits: bool = False,
                 capture: int = 0) -> torch.Tensor:
@@ -153,12 +159,12 @@ class Session:
         if method is not None and method.sliding is not None:  # refused before any forward, not after
             sliding_layers(self.cache.layers, method, [int(s) + len(r) for s, r in zip(self.seen, rows)])
         if chunk is None or chunk >= width:
-            t0 = time.perf_counter()
+            t0 = self._clock()
             logits, surprisal, t1 = self.feed_prompt(rows, 0 if method is None else method.needs.queries,
                                                      method is not None and method.needs.surprisal)
             if method is not None:
                 self.compress(rows, window, surprisal)
-            self.timings = {"prefill_seconds": t1 - t0, "compress_seconds": time.perf_counter() - t1}
+            self.timings = {"prefill_seconds": t1 - t0, "compress_seconds": self._clock() - t1}
             return logits
         self.timings = {"prefill_seconds": 0.0, "compress_seconds": 0.0}
         last = None
@@ -167,7 +173,7 @@ class Session:
         for start in range(0, width, chunk):  # each row's own chunks, as if it were alone
             part = [r[start:start + chunk] for r in rows]
             self.reserve(chunk)  # room for exactly this chunk: capacity follows budget + chunk
-            t0 = time.perf_counter()
+            t0 = self._clock()
             logits, surprisal, t1 = self.feed_prompt(part, 0 if method is None else method.needs.queries,
                                                      wants_surprisal)
             if surprisal is not None:
@@ -179,7 +185,7 @@ class Session:
             if method is not None:
                 self.compress([r[:start + chunk] for r in rows], window, surprisal, running=True)
             self.timings["prefill_seconds"] += t1 - t0
-            self.timings["compress_seconds"] += time.perf_counter() - t1
+            self.timings["compress_seconds"] += self._clock() - t1
         return last
 
     def _check_chunk(self, chunk, window) -> None:
@@ -199,9 +205,9 @@ class Session:
         when the forward ended)."""
         if not surprisal:
             logits = self.forward(rows, capture=capture)
-            return logits, None, time.perf_counter()
+            return logits, None, self._clock()
         logits, hidden, ids, pad = self._feed(rows, capture=capture, hidden=True)
-        end = time.perf_counter()
+        end = self._clock()
         return logits, self.surprisal_of(hidden, ids, pad), end
 
     def forward_surprisal(self, rows: list[list[int]]) -> torch.Tensor:
