@@ -224,6 +224,7 @@ def eval(args) -> int:  # noqa: A001 - the command's name
     from .model import load_model
 
     runner, report = _eval("runner"), _eval("report")
+    runner._read(Path(args.out) / f"{args.task}.jsonl", resuming=True)  # a cut-off last line: refused before loading
     model, tok = load_model(args.model)
     runner.run(args.task, model, tok, args.methods, args.budgets, args.lengths, args.samples, args.out,
                args.protocol, args.text, args.limit, args.subtasks, args.prefill_chunk)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import io
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvmerge import method_from_spec, split_prompt
+from kvmerge.errors import InputError
 from kvmerge.generate import cache_stats, decode
 from . import fidelity
 from .corpus import GENRES
@@ -50,24 +52,25 @@ def run(task, model, tok, methods, budgets, lengths, samples, out_dir, protocol=
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{task}.jsonl"
-    done = {run_key(r["method"], r["budget"], r) for r in _read(path)}
+    done = {run_key(r["method"], r["budget"], r) for r in _read(path, resuming=True)}
     label = (lambda m: f"{m}@chunk{prefill_chunk}") if prefill_chunk else (lambda m: m)
     data = build_samples(task, tok, lengths, samples, text, subtasks)[:limit]
     for m in methods:
         method_from_spec(m, budgets[0])  # unknown names and parameters fail now, not an hour in
     configs = [(m, b) for m in methods for b in ([1.0] if m == "full" else budgets)]
-    (out / f"{task}_config.json").write_text(json.dumps(
+    _write_whole(out / f"{task}_config.json", json.dumps(
         {"task": task, "methods": methods, "budgets": budgets, "lengths": lengths, "samples": samples,
          "protocol": protocol, "text": text, "limit": limit, "subtasks": subtasks, "prefill_chunk": prefill_chunk},
         indent=1))
     todo = [(s, m, b) for s in data for m, b in configs if run_key(label(m), b, s.meta) not in done]
-    with path.open("a") as f, tqdm(total=len(todo), desc=task, unit="run") as bar:
+    with path.open("ab", buffering=0) as f, tqdm(total=len(todo), desc=task, unit="run") as bar:
+        if f.tell() and not _ends_a_line(path):
+            _append(f, b"\n")  # a last row written whole but for its newline
         groups = _by_prompt(task, tok, todo, protocol)
         for i, (prompt, jobs) in enumerate(groups.items()):
             bar.set_postfix_str(f"prompt {i + 1}/{len(groups)}: {len(prompt)} tokens, {len(jobs)} runs")
             for row in _run_prompt(task, model, tok, list(prompt), jobs, protocol, prefill_chunk):
-                f.write(json.dumps(row) + "\n")
-                f.flush()
+                _append(f, (json.dumps(row) + "\n").encode())
                 bar.update(1)
     return write_summary(out, task)
 
@@ -135,9 +138,64 @@ def _run_prompt(task, model, tok, ctx, jobs, protocol, chunk=None):
                    **{k: stats[k] for k in ("cache_bytes", "full_cache_bytes", "compress_seconds", "prefill_seconds")}}
 
 
-def _read(path) -> list[dict]:
+def _read(path, resuming: bool = False) -> list[dict]:
+    """The rows of a results file, one JSON object a line (none if there is no file). A line that is
+    not one is refused (`InputError`) with the file and its line number; a last line cut off mid-write
+    (a run stopped while writing it) is said to be so, with how to fix it (`resuming`: before a run
+    appends to the file)."""
     path = Path(path)
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    if not path.exists():
+        return []
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as e:
+        raise InputError(f"results file {path} is not UTF-8 text (byte {e.start}): not a file kvmerge eval "
+                         "wrote") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == len(lines):  # the last line, without its newline: cut off mid-write
+                fix = (f"delete it (sed -i '$d' {path}) and run the same command again: its run is redone"
+                       if resuming else f"delete it (sed -i '$d' {path}), or resume the run that wrote it")
+                raise InputError(f"results file {path}: the last line ({n}) is incomplete, cut off mid-write "
+                                 f"when a run was stopped: {fix}") from None
+            raise InputError(f"results file {path}, line {n}: not a JSON row ({e.msg.removesuffix(' at')} at column {e.colno}): "
+                             "fix or delete that line") from None
+        if not isinstance(row, dict) or not {"method", "budget"} <= set(row):
+            raise InputError(f"results file {path}, line {n}: not a results row (a JSON object with a method and "
+                             "a budget): fix or delete that line") from None
+        rows.append(row)
+    return rows
+
+
+def _ends_a_line(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
+
+
+def _append(f, data: bytes) -> None:
+    """Write `data` to the unbuffered file `f` at once (one system call, looping only if the system
+    writes less), so that a row is on disk whole as soon as it is measured."""
+    view = memoryview(data)
+    while view:
+        view = view[f.write(view):]
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """`path` gets `text` whole or keeps what it had: written beside it, then renamed over it."""
+    import os
+
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 METRICS = {name: t.metrics for name, t in TASK_TABLE.items() if t.metrics != ("score",)}
@@ -161,11 +219,12 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def write_summary(out: Path, task: str) -> list[dict]:
     rows = summarize(_read(out / f"{task}.jsonl"))
-    (out / f"{task}_summary.json").write_text(json.dumps(rows, indent=1))
+    _write_whole(out / f"{task}_summary.json", json.dumps(rows, indent=1))
     if rows:
         fields = list(dict.fromkeys(k for r in rows for k in r))
-        with (out / f"{task}_summary.csv").open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields)
-            w.writeheader()
-            w.writerows(rows)
+        text = io.StringIO(newline="")
+        w = csv.DictWriter(text, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+        _write_whole(out / f"{task}_summary.csv", text.getvalue())
     return rows

@@ -131,6 +131,10 @@ def run_suite(suite: Suite, models=None, root="results", load_model=None) -> Non
         runs = [r for r in suite.runs if model_name in r.models]
         if not runs:
             raise ValueError(f"suite {suite.name!r} has no run for model {model_name!r}; models: {', '.join(suite.models)}")
+        for r in runs:  # a results file cut off mid-line is refused before a model loads
+            _read(folder(suite, model_name, root) / f"{r.task}.jsonl", resuming=True)
+    for model_name in models or suite.models:
+        runs = [r for r in suite.runs if model_name in r.models]
         model, tok = load_model(model_name)
         for r in runs:
             run_task(r.task, model, tok, r.methods, r.budgets, r.lengths, r.samples, folder(suite, model_name, root),

@@ -210,3 +210,12 @@ def test_report_says_what_it_wrote_with_readable_axes(capsys, tmp_path):
     assert "| niah | snapkv | 50% |" in out
     assert err.startswith(f"kvmerge report: wrote 2 plot(s) to {tmp_path}: ") and "niah_heatmaps.png" in err
     assert (tmp_path / "niah_score_vs_budget.png").stat().st_size > 0
+
+
+def test_results_cut_off_mid_line_are_refused_in_one_line(capsys, files):
+    (files / "runs").mkdir()
+    (files / "runs" / "niah.jsonl").write_text('{"method": "full", "budget": 1.0, "length": 300, "seed": 0}\n'
+                                               '{"method": "full", "bud')
+    fails(capsys, ["report", "runs"], "results file runs/niah.jsonl: the last line (2) is incomplete", "sed -i")
+    fails(capsys, ["eval", "--task", "niah", "--methods", "full", "--out", "runs"],  # before the model loads
+          "the last line (2) is incomplete", "run the same command again")

@@ -259,3 +259,81 @@ def test_runner_runs_a_family_and_keeps_genres_apart(tmp_path):
         run("niah", model, tok, ["full"], [0.5], [300], 1, tmp_path, text="table")
     with pytest.raises(ValueError, match="unknown family 'nope'"):
         run("family", model, tok, ["full"], [0.5], [300], 1, tmp_path, subtasks=["nope"])
+
+
+def _rows_file(folder, cut=False, bad_middle=False):
+    """A niah results file of three rows: the last one cut off mid-line (`cut`), or the second not JSON."""
+    rows = [{"method": "full", "budget": 1.0, "task": "niah", "length": 300, "seed": s, "depth": 0.5, "score": 1.0}
+            for s in range(3)]
+    lines = [json.dumps(r) for r in rows]
+    if bad_middle:
+        lines[1] = lines[1][:20]
+    text = "\n".join(lines) + "\n"
+    if cut:
+        text = text[:-15]
+    path = folder / "niah.jsonl"
+    path.write_text(text)
+    return path
+
+
+def test_a_results_file_cut_off_mid_line_is_refused_with_its_file_and_line(tmp_path):
+    from kvmerge.errors import KVMergeError
+
+    path = _rows_file(tmp_path, cut=True)
+    with pytest.raises(KVMergeError, match=re.escape(
+            f"results file {path}: the last line (3) is incomplete, cut off mid-write when a run was stopped: "
+            f"delete it (sed -i '$d' {path}), or resume the run that wrote it")):
+        report(tmp_path, plots=False)
+    path = _rows_file(tmp_path, bad_middle=True)
+    with pytest.raises(KVMergeError, match=re.escape(
+            f"results file {path}, line 2: not a JSON row (Unterminated string starting at column 20): "
+            "fix or delete that line")):
+        report(tmp_path, plots=False)
+    path.write_text('{"method": "full", "budget": 1.0}\n[1, 2]\n')
+    with pytest.raises(KVMergeError, match=re.escape(
+            f"results file {path}, line 2: not a results row (a JSON object with a method and a budget)")):
+        report(tmp_path, plots=False)
+
+
+def test_resuming_from_a_cut_off_last_line_is_refused_before_any_forward(tmp_path):
+    from kvmerge.errors import KVMergeError
+
+    tok = _sp_tokenizer()
+    model = tiny_model(vocab_size=len(tok))
+    calls = []
+    model.model.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    path = _rows_file(tmp_path, cut=True)
+    before = path.read_text()
+    with pytest.raises(KVMergeError, match=re.escape(
+            f"results file {path}: the last line (3) is incomplete, cut off mid-write when a run was stopped: "
+            f"delete it (sed -i '$d' {path}) and run the same command again: its run is redone")):
+        run("niah", model, tok, ["full"], [0.5], [300], 1, tmp_path)
+    assert calls == [] and path.read_text() == before
+
+
+def test_rows_are_written_whole_and_a_last_row_without_its_newline_is_kept(tmp_path, monkeypatch):
+    """A run stopped between rows leaves whole lines only; resuming after a last row that lacks only
+    its newline completes that line before appending."""
+    import kvmerge_eval.runner as runner
+
+    tok = _sp_tokenizer()
+    model = tiny_model(vocab_size=len(tok))
+    own = runner._run_prompt
+
+    def stopped(*args, **kwargs):
+        gen = own(*args, **kwargs)
+        yield next(gen)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "_run_prompt", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run("niah", model, tok, ["full", "streamingllm"], [0.5], [300], 1, tmp_path)
+    path = tmp_path / "niah.jsonl"
+    text = path.read_text()
+    assert text.endswith("\n") and len([json.loads(x) for x in text.splitlines()]) == 1
+    monkeypatch.setattr(runner, "_run_prompt", own)
+    path.write_text(text.rstrip("\n"))
+    rows = run("niah", model, tok, ["full", "streamingllm"], [0.5], [300], 1, tmp_path)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2 and all(json.loads(x) for x in lines) and {r["method"] for r in rows} == {"full",
+                                                                                                     "streamingllm"}
