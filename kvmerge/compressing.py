@@ -83,6 +83,7 @@ class Compressor:
         @functools.wraps(generate)
         def run(*args, **kwargs):
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            _refuse_padding(kwargs.get("attention_mask"))
             if isinstance(cache, MergedCache) and id(cache) in self._contexts:
                 ids = kwargs.get("input_ids", args[0] if args else None)
                 with refusing():
@@ -94,6 +95,10 @@ class Compressor:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         ids = kwargs.get("input_ids", args[0] if args else None)
         kwargs.pop("past_key_values", None)
+        fresh = cache is None or (isinstance(cache, MergedCache) and id(cache) not in self._fed) or \
+            (not isinstance(cache, MergedCache) and cache.get_seq_length() == 0)
+        if fresh:  # a prompt's first forward (generate may have built the mask from pad_token_id)
+            _refuse_padding(kwargs.get("attention_mask"))
         if isinstance(cache, MergedCache) and id(cache) in self._sessions:
             session = self._sessions[id(cache)]
             rows = len(session.seen)
@@ -127,6 +132,8 @@ class Compressor:
         if self._pending is not None:
             session, ids, hidden = self._pending
             self._pending = None
+            if output is None:  # the forward raised: its error stands, nothing to compress
+                return output
             session.fed(torch.full((ids.shape[0],), ids.shape[1]), captured=1)
             session.method.target(ids.shape[1])  # a clear error if the prompt cannot meet the budget
             session.compress_prompt(ids.tolist(), hidden[0] if hidden else None)
@@ -161,6 +168,14 @@ def compressing(model, method: Method | str, tokenizer=None, **params):
                 del model.generate
             else:
                 model.generate = own
+
+
+def _refuse_padding(mask) -> None:
+    """An `InputError` for a padded batch (an attention_mask with zeros), before the model runs."""
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+        raise InputError("kvmerge.compressing runs rows of one length, and this batch is padded (its attention_mask "
+                         "has zeros): use kvmerge.generate (or generate_ids) for batches of different lengths, or run "
+                         "model.generate one row at a time")
 
 
 def _check_length(model, n: int) -> None:

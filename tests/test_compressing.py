@@ -110,3 +110,41 @@ def test_beam_search_and_several_sequences_expand_a_prefilled_cache(spec, monkey
         monkeypatch.setattr(kvmerge.layer.MergedLayer, "compact", lambda self: False)
         _, want = run()
     assert got.tolist() == want.tolist()
+
+
+def test_a_padded_batch_is_refused_in_one_line_before_the_model_runs():
+    """A left-padded batch (attention_mask with zeros, given or built by generate from pad_token_id) is
+    refused with a KVMergeError naming kvmerge.generate, before any layer runs and without torch's
+    warning about a silenced hook error; the same rows unpadded still run."""
+    import warnings
+
+    model = tiny_model()
+    a, b = random_ids(60, seed=1), random_ids(50, seed=2)
+    ids, mask = torch.tensor([a, [0] * 10 + b]), torch.tensor([[1] * 60, [0] * 10 + [1] * 50])
+    ran = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda *_: ran.append(1))
+    message = ("kvmerge.compressing runs rows of one length, and this batch is padded (its attention_mask has zeros): "
+               "use kvmerge.generate (or generate_ids) for batches of different lengths, or run model.generate one "
+               "row at a time")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with kvmerge.compressing(model, "snapkv", budget=0.25, window=8) as kv:
+            with pytest.raises(kvmerge.KVMergeError) as e:
+                model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+            assert str(e.value) == message
+            model.generation_config.pad_token_id = 0  # no mask given: generate builds it from the pad tokens
+            with pytest.raises(kvmerge.KVMergeError, match="this batch is padded"):
+                model.generate(ids, max_new_tokens=4, do_sample=False)
+            cache = kv.prefill(a)
+            with pytest.raises(kvmerge.KVMergeError, match="this batch is padded"):
+                model.generate(torch.tensor([a + [5, 6]]), attention_mask=torch.tensor([[0] + [1] * 61]),
+                               cache=cache, max_new_tokens=4, do_sample=False)
+    assert not [w for w in caught if "silenced" in str(w.message)], [str(w.message) for w in caught]
+    model.generation_config.pad_token_id = None
+    n = len(ran)
+    assert n == 1  # kv.prefill's forward only
+    with kvmerge.compressing(model, "snapkv", budget=0.25, window=8):
+        out = model.generate(torch.tensor([a, b + a[:10]]), attention_mask=torch.ones(2, 60, dtype=torch.long),
+                             max_new_tokens=4, do_sample=False)
+    hook.remove()
+    assert out.shape == (2, 64)
