@@ -98,15 +98,20 @@ def checked(make):
 
 
 def _precheck(maker: str, args, kwargs) -> None:
-    """The parameter values of a `get_method` / `method_from_spec` call against the declared types of
+    """The parameter values of a `get_method` / `method_from_spec` call (a name or a spec, `budget` and
+    keyword parameters) against the declared types of
     the method's fields, before the method is built (its own checks may compare a word with a number)."""
     from .methods.presets import PRESETS
     from .methods.registry import _REGISTRY, canonical, parse_spec
 
     if not args or not isinstance(args[0], str):
         return
-    name, params = parse_spec(args[0]) if maker == "method_from_spec" else (args[0], kwargs)
+    name, params = parse_spec(args[0])
+    params = {**params, **{k: v for k, v in kwargs.items() if k != "budget"}}
     found = canonical(name)
+    budget = kwargs.get("budget", args[1] if len(args) > 1 else None)
+    if budget is not None and found != "full":
+        params.setdefault("budget", budget)
     preset = next((p for p in PRESETS if p.name == found), None)
     cls = _REGISTRY.get(preset.method if preset else found)
     if cls is None:

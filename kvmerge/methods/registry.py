@@ -41,29 +41,43 @@ def canonical(name: str) -> str | None:
     return next((n for n in _REGISTRY if _normal(n) == key), None)
 
 
-def get_method(name: str, **params) -> Method:
-    """A method instance by registered or preset name, e.g. `get_method("streamingllm", budget=0.25)`.
+def get_method(name: str, budget: float | int | None = None, **params) -> Method:
+    """A method instance by registered or preset name, or by spec `name[:param=value...]` (values are
+    JSON; a bare word is a string): `get_method("streamingllm", budget=0.25)`,
+    `get_method("zipguardmerge:sliding=0.75", budget=0.1)`, `get_method("snapkv:alloc=head", window=8)`.
 
-    A parameter that takes a method (`evictmerge`'s `base`) also accepts a name or a
-    `{"name": ..., **params}` dict; a part named so keeps uniform allocation unless told otherwise
-    (the composite owns the allocation)."""
-    found = canonical(name)
+    `budget` applies unless the spec sets one (`full` keeps everything and ignores it); any other
+    parameter given both in the spec and as a keyword must agree. A parameter that takes a method
+    (`evictmerge`'s `base`) also accepts a name or a `{"name": ..., **params}` dict; a part named so
+    keeps uniform allocation unless told otherwise (the composite owns the allocation)."""
+    if not isinstance(name, str):
+        raise TypeError(f"a method is named by a string (a name or a spec such as 'snapkv:window=8'), got "
+                        f"{type(name).__name__}")
+    base, given = parse_spec(name)
+    for key, value in params.items():
+        if key in given and given[key] != value:
+            raise ValueError(f"method spec {name!r} sets {key}={given[key]!r} and the call {key}={value!r}: give "
+                             f"{key} once")
+    params = {**given, **params}
+    if budget is not None and _normal(base) != "full":
+        params.setdefault("budget", budget)
+    found = canonical(base)
     if found is None:
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
+        raise ValueError(f"unknown method {base!r}; available: {', '.join(available_methods())}")
     if _normal(found) in _PRESETS:
         return _PRESETS[_normal(found)].build(params)
     cls = _REGISTRY[found]
     known = {f.name: f for f in fields(cls) if f.init}
     unknown = set(params) - set(known)
     if unknown:
-        raise TypeError(f"{name} has no parameter(s) {', '.join(sorted(unknown))}; it takes "
+        raise TypeError(f"{base} has no parameter(s) {', '.join(sorted(unknown))}; it takes "
                         f"{', '.join(sorted(known))}")
     for key, value in params.items():
         f = known[key]
         takes_method = f.default_factory is not MISSING and isinstance(f.default_factory(), Method)
         if takes_method and isinstance(value, (str, dict)):
             spec = {"name": value} if isinstance(value, str) else dict(value)
-            part = canonical(spec["name"])
+            part = canonical(parse_spec(spec["name"])[0])
             if part in _REGISTRY and any(p.name == "alloc" for p in fields(_REGISTRY[part])):
                 spec.setdefault("alloc", "uniform")
             params[key] = get_method(**spec)
@@ -71,12 +85,9 @@ def get_method(name: str, **params) -> Method:
 
 
 def method_from_spec(spec: str, budget: float | int | None = None) -> Method:
-    """A method from `name[:param=value...]` (values are JSON; a bare word is a string), with `budget`
-    unless the spec sets one (`full` takes none)."""
-    name, kwargs = parse_spec(spec)
-    if budget is not None and _normal(name) != "full":
-        kwargs.setdefault("budget", budget)
-    return get_method(name, **kwargs)
+    """`get_method(spec, budget=budget)`: a method from `name[:param=value...]`, with `budget` unless
+    the spec sets one (`full` takes none). Kept for existing callers."""
+    return get_method(spec, budget=budget)
 
 
 def load_plugins(names: list[str]) -> None:
