@@ -22,11 +22,13 @@ The learned scorer (`learnedzip`) gets random weights of its real shape: its cos
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
 import time
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -131,7 +133,7 @@ def kernel_rows(device, dtype, lengths, batches, hbm_tbs, flex_at: int) -> list[
     shape compiles anew) FlexAttention with a score_mod."""
     import torch.nn.functional as F
 
-    from kvmerge.attention import biased_sdpa
+    from kvmerge.attention import biased_sdpa, fused_kernels
 
     hq, hkv, d = 32, 8, 128
     rows = []
@@ -151,12 +153,19 @@ def kernel_rows(device, dtype, lengths, batches, hbm_tbs, flex_at: int) -> list[
             log_n = torch.randint(1, 5, (b, hkv, s), device=device).float().log()
             cache_bytes = 2 * k.numel() * k.element_size()
             rep = hq // hkv
-            plain = lambda: F.scaled_dot_product_attention(q.view(b, hkv, rep, d), k, v)  # noqa: E731
-            biased = lambda: biased_sdpa(q, k, v, log_n)  # noqa: E731
+
+            def plain(kernels=fused_kernels):
+                with kernels(device):
+                    return F.scaled_dot_product_attention(q.view(b, hkv, rep, d), k, v)
+
+            def biased():
+                with fused_kernels(device):
+                    return biased_sdpa(q, k, v, log_n)
             row = {"kind": "kernel", "dtype": str(dtype).split(".")[-1], "slots": s, "batch": b,
                    "cache_mib": sig(cache_bytes / 2 ** 20),
                    "floor_us": sig(1e6 * (cache_bytes + log_n.numel() * 4) / (hbm_tbs * 1e12)),
                    "plain_us": sig(1e6 * timed(plain, device, 20)),
+                   "plain_default_backends_us": sig(1e6 * timed(lambda: plain(lambda _: nullcontext()), device, 20)),
                    "kvmerge_us": sig(1e6 * timed(biased, device, 20))}
             if flex is not None and s == flex_at:
                 bias = log_n.to(dtype)
@@ -205,6 +214,7 @@ def model_rows(model, tok, lengths, methods, budgets, device, args, deadline) ->
                 except Exception as e:  # noqa: BLE001 - reported, the next configuration runs
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     traceback.print_exc()
+                gc.collect()  # a Session and its cache form a cycle (the cache's listener): free it now
                 torch.cuda.empty_cache() if device.type == "cuda" else None
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -8,15 +8,24 @@ merging identical tokens is lossless. With `log_n is None` (plain cache) the sto
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 ATTN_NAME = "kvmerge"
+# On CUDA: flash, or the memory-efficient kernel where a log-mass bias is given. cuDNN's kernel is left out:
+# it plans a graph for every new key length, which costs more CPU time per decoding step than the step itself.
+CUDA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def fused_kernels(device: torch.device):
+    """The SDPA backends kvmerge's attention runs on `device` with (CUDA: `CUDA_KERNELS`)."""
+    return sdpa_kernel(CUDA_KERNELS) if device.type == "cuda" else nullcontext()
 
 
 def attention_bias(log_n: torch.Tensor, q_len: int, dtype: torch.dtype, window=None) -> torch.Tensor:
@@ -95,7 +104,7 @@ def proportional_attention(module, query, key, value, attention_mask, dropout=0.
     `kvmerge_window` (a sliding layer's window and positions), `kvmerge_heads` (a layer whose KV heads
     have their own lengths, see `ragged_sdpa`) and `kvmerge_listener` `(layer_idx, fn)` come from
     `MergedCache.update`; with another cache all are None and this is stock causal SDPA."""
-    with torch.profiler.record_function("kvmerge::attention"):
+    with torch.profiler.record_function("kvmerge::attention"), fused_kernels(query.device):
         if kvmerge_heads is not None:
             out = ragged_sdpa(query, kvmerge_heads, scaling)
         else:
