@@ -11,11 +11,42 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 from .spec import parse_spec
 
 RUNTIME_NAMES = {"transformers": "transformers", "chunked": "chunked", "vllm": "vLLM"}
+SHORT_RUNTIME_NAMES = {"transformers": "hf", "chunked": "chunked", "vllm": "vLLM"}
+DEFAULT_METHOD = "mixedmerge"
+SHORT = {  # the table's line per method (`kvmerge methods NAME` shows the whole description)
+    "cam": "H2O's picks; evicted values merged ahead",
+    "centroidkv": "similar keys merged into centroids",
+    "d2o": "layer budgets by attention density",
+    "echo": "what the model reads while repeating",
+    "evictmerge": "a base's picks; the rest merged in",
+    "expected_attention": "attention of modelled future queries",
+    "full": "no compression",
+    "h2o": "attention from every prompt query",
+    "keydiff": "keys least like the mean key",
+    "kmeans": "k-means clusters of keys, as centroids",
+    "kvzip": "attention while repeating the context",
+    "learnedmerge": "learnedzip's picks; the rest merged in",
+    "learnedzip": "KVzip's scores, predicted in one pass",
+    "mergingpress": "a base's picks; evicted values folded in",
+    "mixed_attention": "Expected Attention and SnapKV mixed",
+    "mixedmerge": "surprise and mixed attention; merged",
+    "pyramidkv": "budgets shrinking with depth",
+    "semanticache": "clusters within sentences, merged",
+    "snapkv": "attention of the last prompt queries",
+    "streamingllm": "the first tokens and the most recent",
+    "surprisal": "the most surprising sentences",
+    "surprisemerge": "surprise and SnapKV's picks; merged",
+    "tova": "attention of the last prompt query",
+    "zipguard": "KVzip, copy heads ranked otherwise",
+    "zipguardmerge": "zipguard's picks; the rest merged in",
+    "zipmerge": "KVzip's picks; the rest merged in",
+}
 
 
 def _source_key() -> str:
@@ -53,6 +84,36 @@ def _first_sentence(doc: str | None) -> str:
     return text if end < 0 else text[:end + 1]
 
 
+def _first_paragraph(doc: str | None) -> str:
+    """A module docstring's first paragraph on one line (a method's source: its paper, or kvmerge's own)."""
+    return " ".join((doc or "").strip().split("\n\n")[0].split())
+
+
+def _paragraphs(doc: str | None) -> list[str]:
+    """A docstring's paragraphs, each on one line, the first sentence (the summary) left out; a
+    paragraph of bullets ("* ...") keeps one line per bullet."""
+    import inspect
+
+    text = inspect.cleandoc(doc or "")
+    first = _first_sentence(text)
+    out = []
+    for block in text.split("\n\n"):
+        lines = block.splitlines()
+        if any(line.lstrip().startswith(("* ", "- ")) for line in lines):
+            items, current = [], []
+            for line in lines:
+                if line.lstrip().startswith(("* ", "- ")) and current:
+                    items.append(" ".join(current))
+                    current = []
+                current.append(line.strip())
+            out += items + [" ".join(current)]
+        else:
+            out.append(" ".join(block.split()))
+    if out and " ".join(out[0].split()).startswith(first):
+        out[0] = out[0][len(first):].strip()
+    return [p for p in out if p]
+
+
 def build() -> list[dict]:
     """Rows with: name, kind ("method" or "preset"), summary, recommended, experimental, aliases,
     spec (a preset's), second_pass, where (runtime → bool), refusals (runtime → reasons) and params
@@ -75,7 +136,8 @@ def build() -> list[dict]:
                "recommended": bool(preset and preset.recommended),
                "experimental": bool(not preset and getattr(cls, "experimental", False)),
                "aliases": list(preset.aliases) if preset else [], "spec": preset.spec if preset else None,
-               "ties": sorted(preset.ties) if preset else [],
+               "ties": sorted(preset.ties) if preset else [], "doc": _paragraphs(None if preset else cls.__doc__),
+               "source": None if preset else _first_paragraph(sys.modules[cls.__module__].__doc__),
                "params": [], "second_pass": None, "where": {}, "refusals": {}}
         try:
             method = get_method(name)
@@ -96,41 +158,58 @@ def build() -> list[dict]:
     return out
 
 
-def _where(row) -> str:
+def _where(row, short: bool = False) -> str:
     if not row["where"]:
         return "?"
-    return ", ".join(RUNTIME_NAMES[r] for r, ok in row["where"].items() if ok) or "none"
+    names = SHORT_RUNTIME_NAMES if short else RUNTIME_NAMES
+    return ", ".join(names[r] for r, ok in row["where"].items() if ok) or "none"
 
 
 def _cost(row) -> str:
     return "?" if row["second_pass"] is None else "2nd pass" if row["second_pass"] else "one pass"
 
 
+def _cut(text: str, room: int) -> str:
+    """`text` cut at a word boundary to at most `room` characters, "…" marking the cut."""
+    if len(text) <= room:
+        return text
+    cut = text[:room - 1].rsplit(" ", 1)[0] if " " in text[:room - 1] else text[:room - 1]
+    return cut.rstrip(" ,;:(") + "…"
+
+
 def table(width: int | None = None) -> str:
-    """The methods table as text (each line cut to `width` characters, if given), then a legend."""
+    """The methods table as text, one line per method of at most `width` characters (default 100):
+    its name (`*` recommended), kind, cost, runtimes and the start of its summary (`kvmerge methods
+    NAME` has the whole text); then the legend, wrapped to `width`."""
+    import textwrap
+
+    width = width or 100
     data = rows()
-    cells = [(("* " if r["recommended"] else "  ") + r["name"], r["kind"] if not r["experimental"]
-              else "part", _cost(r), _where(r),
-              r["summary"] + (f" (old name: {', '.join(r['aliases'])})" if r["aliases"] else ""))
-             for r in data]
     head = ("  name", "kind", "cost", "runs in", "what it does")
+    cells = [(("* " if r["recommended"] else "  ") + r["name"] + (" (default)" if r["name"] == DEFAULT_METHOD else ""),
+              r["kind"] if not r["experimental"] else "part", _cost(r), _where(r, short=True),
+              SHORT.get(r["name"], r["summary"])) for r in data]
     widths = [max(len(c[i]) for c in [head, *cells]) for i in range(4)]
-    lines = []
-    for c in [head, *cells]:
-        line = "  ".join(x.ljust(w) for x, w in zip(c, widths)) + "  " + c[4]
-        lines.append(line if width is None or len(line) <= width else line[:width - 1] + "…")
-    lines += ["", "* recommended (README: which method to pick). kind: method, preset (a method with other defaults), "
-              "part (experimental: a piece of a preset, not meant alone). cost: one pass = scored during the "
-              "prefill; 2nd pass = another forward over the context before compressing. runs in: transformers "
-              "(one-shot), chunked (--prefill-chunk), vLLM (the plugin). `kvmerge methods NAME`: parameters and "
-              "refusals."]
-    return "\n".join(lines)
+    room = max(20, width - sum(widths) - 2 * 4)
+    lines = ["  ".join(x.ljust(w) for x, w in zip(c, widths)) + "  " + _cut(c[4], room) for c in [head, *cells]]
+    legend = [f"Default: {DEFAULT_METHOD} (kvmerge generate, kvmerge.generate, kvmerge.compressing, the vLLM "
+              "plugin).", "* recommended (README: which method to pick).",
+              "kind: method, preset (a method with other defaults), part (experimental: a piece of a preset, not "
+              "meant alone). cost: one pass = scored during the prefill; 2nd pass = another forward over the context "
+              "before compressing. runs in: hf = transformers (one-shot), chunked (--prefill-chunk), vLLM (the plugin).",
+              "kvmerge methods NAME: the whole description, old names, parameters and refusals."]
+    return "\n".join([*lines, "", *(line for text in legend for line in textwrap.wrap(text, width,
+                                                                                       break_on_hyphens=False))])
 
 
-def detail(name: str) -> str:
-    """One method's row in full: summary, parameters with defaults, and why each runtime refuses it."""
+def detail(name: str, width: int | None = None) -> str:
+    """One method in full: its whole description, parameters with defaults, and why each runtime
+    refuses it; prose wrapped to `width` characters (default 100)."""
+    import textwrap
+
     from .errors import UnknownNameError, suggest
 
+    width = width or 100
     data = {r["name"]: r for r in rows()}
     alias = {a: r["name"] for r in data.values() for a in r["aliases"]}
     found = data.get(name) or data.get(alias.get(name, ""))
@@ -138,20 +217,41 @@ def detail(name: str) -> str:
         raise UnknownNameError(f"unknown method {name!r}{suggest(name, [*data, *alias])}; `kvmerge methods` lists "
                                "them")
     r = found
-    out = [f"{r['name']} ({r['kind']}{', recommended' if r['recommended'] else ''}"
-           f"{', experimental' if r['experimental'] else ''}): {r['summary']}"]
+    wrap = lambda text, indent="": textwrap.wrap(text, width, subsequent_indent=indent, break_on_hyphens=False)  # noqa: E731
+    marks = "".join([", recommended" if r["recommended"] else "", ", experimental" if r["experimental"] else "",
+                     ", the default" if r["name"] == DEFAULT_METHOD else ""])
+    doc = r.get("doc") or []
+    out = wrap(f"{r['name']} ({r['kind']}{marks}): {' '.join([r['summary'], *doc[:1]])}")
+    for paragraph in doc[1:]:
+        out += ["", *wrap(paragraph)]
+    if r.get("source"):
+        out += ["", *wrap(f"source: {r['source']}")]
+    out.append("")
     if r["aliases"]:
         out.append(f"old names: {', '.join(r['aliases'])}")
     if r["spec"]:
-        out.append(f"spec: {r['spec']}")
+        out += _wrap_spec(f"spec: {r['spec']}", width)
     out.append(f"cost: {_cost(r)}; runs in: {_where(r)}")
     for runtime, reasons in r["refusals"].items():
         for reason in reasons:
-            out.append(f"not in {RUNTIME_NAMES[runtime]}: {reason}")
+            out += wrap(f"not in {RUNTIME_NAMES[runtime]}: {reason}", "  ")
     if r["params"]:
         out.append("parameters (name = default, type), set as NAME:param=value:")
         out += [f"  {p} = {d}  ({t})" for p, d, t, _ in r["params"]]
     return "\n".join(out)
+
+
+def _wrap_spec(text: str, width: int) -> list[str]:
+    """A spec on lines of at most `width` characters, broken after its colons (never inside a
+    parameter; one longer than a line stays whole), continuation lines indented by two spaces."""
+    import re
+
+    lines = [""]
+    for piece in re.findall(r"[^:]*:|[^:]+$", text):
+        if lines[-1].strip() and len(lines[-1]) + len(piece) > width:
+            lines.append("  ")
+        lines[-1] += piece
+    return lines
 
 
 def _normal(name: str) -> str:

@@ -179,11 +179,8 @@ def generate(args) -> int:
 def methods(args) -> int:
     from . import catalog
 
-    if args.name:
-        print(catalog.detail(args.name))
-    else:
-        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
-        print(catalog.table(width))
+    width = shutil.get_terminal_size().columns  # $COLUMNS, else the terminal's, else 80
+    print(catalog.detail(args.name, width) if args.name else catalog.table(width))
     return 0
 
 

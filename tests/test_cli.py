@@ -147,20 +147,49 @@ def test_debug_shows_the_traceback(files, monkeypatch):
         main(["generate", "--context", "missing.txt", "--question", "q"])
 
 
-def test_methods_table_says_what_each_does_its_cost_and_where_it_runs(capsys):
+def test_methods_table_says_what_each_does_its_cost_and_where_it_runs(capsys, monkeypatch):
+    import re
+
+    monkeypatch.setenv("COLUMNS", "120")
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
-    lines = {line.split()[1] if line.startswith("*") else line.split()[0]: line for line in out.splitlines() if line}
-    assert lines["mixedmerge"].startswith("* ") and lines["zipguardmerge"].startswith("* ")
-    assert "old name: expectmerge" in lines["mixedmerge"] and "old name: guardmerge" in lines["zipguardmerge"]
-    assert "2nd pass" in lines["kvzip"] and "one pass" in lines["snapkv"] and "vLLM" in lines["snapkv"]
-    assert "vLLM" not in lines["kvzip"].split("  ")[3] and " part " in lines["zipguard"]
-    assert all(len(line.split("  ")) > 3 for name, line in lines.items() if name in kvmerge.available_methods())
+    cols = {c[0].lstrip("* "): c for c in (re.split(r"\s{2,}", line.strip()) for line in out.splitlines())
+            if len(c) == 5}
+    cols = {name.removesuffix(" (default)"): c for name, c in cols.items()}
+    assert cols["zipguardmerge"][0] == "* zipguardmerge" and cols["mixedmerge"][0].startswith("* mixedmerge")
+    assert cols["kvzip"][2] == "2nd pass" and cols["snapkv"][2] == "one pass" and "vLLM" in cols["snapkv"][3]
+    assert "vLLM" not in cols["kvzip"][3] and cols["zipguard"][1] == "part"
+    assert set(kvmerge.available_methods()) <= set(cols)
     assert main(["methods", "expectmerge"]) == 0
     detail = capsys.readouterr().out
-    assert detail.startswith("mixedmerge (preset, recommended)") and "spec: evictmerge:" in detail
+    assert detail.startswith("mixedmerge (preset, recommended") and "spec: evictmerge:" in detail
+    assert "old names: expectmerge" in detail
     assert main(["methods", "snapkv"]) == 0
     assert "kernel = 7  (int)" in capsys.readouterr().out
+
+
+def test_methods_fit_the_terminal_and_name_the_default(capsys, monkeypatch):
+    """At 100 columns: one line per method within the width, the legend wrapped, the default named;
+    `kvmerge methods NAME` has the description the table shortens, and the method's source."""
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 100, max(lines, key=len)
+    rows = [line for line in lines if line[2:].split(" ")[0] in kvmerge.available_methods()]
+    assert len(rows) == len(kvmerge.available_methods())
+    assert [r for r in rows if "(default)" in r] == [r for r in rows if r.startswith("* mixedmerge (default) ")]
+    assert "Default: mixedmerge (kvmerge generate, kvmerge.generate, kvmerge.compressing, the vLLM plugin)." in lines
+    assert main(["methods", "snapkv"]) == 0
+    detail = capsys.readouterr().out
+    assert max(map(len, detail.splitlines())) <= 100
+    text = " ".join(detail.split())
+    assert ("snapkv (method): Scores: attention of the last `obs_window` prompt queries, summed over the group's "
+            "query heads, average-pooled with `kernel`; the top-scored entries are kept beside sinks and the recent "
+            "window.") in text
+    assert "source: SnapKV (Li et al., 2024, arXiv 2404.14469)" in text
+    assert main(["methods", "mixedmerge"]) == 0
+    assert capsys.readouterr().out.startswith("mixedmerge (preset, recommended, the default): ")
 
 
 def test_specs_are_read_at_colons_outside_brackets_and_values_as_json():
