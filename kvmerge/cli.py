@@ -44,12 +44,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown where they say something (not None or off, not already in the help)."""
+    """Every option that takes a value shows its default, "(default: none)" for None, unless its help
+    says it already; flags (on when given) and positionals show none."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
+        help = action.help or ""
+        if "default" in help or not action.option_strings or action.nargs == 0 or action.required \
+                or action.default is argparse.SUPPRESS:
+            return help
+        value = action.default
+        shown = "none" if value is None else ",".join(map(str, value)) if isinstance(value, list) else str(value)
+        return f"{help} (default: {shown.replace('%', '%%')})"
 
 
 def _options(parser, command: str | None = None) -> list[str]:
@@ -130,8 +135,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvmerge", description="KV-cache compression by merging tokens, for Hugging Face models. "
                      "Start with: kvmerge generate --context FILE --question TEXT, or kvmerge demo.",
                      epilog=EPILOG, formatter_class=fmt)
-    parser.add_argument("--debug", action="store_true", help="print tracebacks instead of one-line errors")
+    debug_help = "print tracebacks instead of one-line errors (before or after the command)"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
+    common = argparse.ArgumentParser(add_help=False)  # every command takes --debug too (set only when given)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    add_parser = sub.add_parser
+    sub.add_parser = lambda *a, **kw: add_parser(*a, parents=[common], **kw)
     model_help = "a bundled model (smollm2-135m, gemma3-270m), a local folder, a .gguf file or a hub id org/name"
 
     gen = sub.add_parser("generate", help="answer a question about a text file, streaming the answer",
@@ -144,16 +154,19 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--budget", type=_budget, default=0.25, metavar="B",
                      help="what the cache keeps: a fraction of the context in (0, 1] or a whole number of entries")
     gen.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="the longest answer, in tokens")
-    gen.add_argument("--temperature", type=_number(float, 0, what="a number >= 0"), default=0.0, help="0: greedy")
-    gen.add_argument("--top-k", type=_count, default=0, help="sample from the k likeliest tokens (0: all)")
+    gen.add_argument("--temperature", type=_number(float, 0, what="a number >= 0"), default=0.0, metavar="T", help="0: greedy")
+    gen.add_argument("--top-k", type=_count, default=0, metavar="K", help="sample from the k likeliest tokens (0: all)")
     gen.add_argument("--top-p", type=_number(float, 0, 1, low_open=True, what="a number in (0, 1]"), default=1.0,
-                     help="sample from the smallest set of tokens with this probability")
-    gen.add_argument("--seed", type=int, default=None, help="seed of the sampler")
-    gen.add_argument("--stop", type=_csv(str), default=None, help="comma-separated strings that end the answer")
+                     metavar="P", help="sample from the smallest set of tokens with this probability")
+    gen.add_argument("--seed", type=int, default=None, metavar="N", help="seed of the sampler (default: none, a fresh seed each "
+                     "run)")
+    gen.add_argument("--stop", type=_csv(str), default=None, help="comma-separated strings that end the answer "
+                     "(default: none; the end of the model's turn ends it)")
     gen.add_argument("--model", default=None, metavar="NAME", help=f"{model_help} (default: smollm2-135m)")
     gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     gen.add_argument("--prefill-chunk", type=_positive, default=None, metavar="N",
-                     help="prefill and compress N tokens at a time (bounded memory; not every method)")
+                     help="prefill and compress N tokens at a time (bounded memory; not every method) (default: "
+                     "none, the whole context at once)")
     gen.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
     meth = sub.add_parser("methods", help="the methods: what each does, its cost, where it runs",
@@ -169,7 +182,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=_positive, default=3, help="needle prompts")
     demo.add_argument("--model", default=None, help=f"{model_help} (default: smollm2-135m)")
 
-    sub.add_parser("suites", help="the named benchmark suites (kvmerge eval --suite NAME)", formatter_class=fmt)
+    sub.add_parser("suites", help="the named benchmark suites (kvmerge eval --suite NAME)", formatter_class=fmt,
+                   epilog=EPILOG)
 
     train = sub.add_parser("train-scorer", help="fit learnedzip's scorer for a model (about 15 min on a CPU)",
                            formatter_class=fmt, epilog=EPILOG)
@@ -240,9 +254,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv or os.environ.get("KVMERGE_DEBUG", "") not in ("", "0")
-    argv = [a for a in argv if a != "--debug"]
     args = _parser().parse_args(argv)
+    debug = args.debug or os.environ.get("KVMERGE_DEBUG", "") not in ("", "0")
     try:
         return _run(args) or 0
     except BrokenPipeError:  # the reader went away (`kvmerge methods | head`): nothing more to say

@@ -248,3 +248,27 @@ def test_results_cut_off_mid_line_are_refused_in_one_line(capsys, files):
     fails(capsys, ["report", "runs"], "results file runs/niah.jsonl: the last line (2) is incomplete", "sed -i")
     fails(capsys, ["eval", "--task", "niah", "--methods", "full", "--out", "runs"],  # before the model loads
           "the last line (2) is incomplete", "run the same command again")
+
+
+def test_help_shows_every_default(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split()).split(" options: ", 1)[1]
+    for option, default in (("--temperature T 0: greedy", "0.0"), ("--top-k K", "0"), ("--top-p P", "1.0"),
+                            ("--seed N seed of the sampler", "none, a fresh seed each run"), ("--max-new-tokens N", "64")):
+        start = out.index(option)
+        assert f"(default: {default})" in out[start:out.index(" --", start + 3)], option
+    assert "--context FILE UTF-8 text file with the context; - reads stdin --question" in out  # required: no default
+    assert "--no-progress no progress bars on stderr Errors" in out  # a flag: none
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0.5,0.25)" in out and "(default: niah)" in out and "--debug print tracebacks" in out
+
+
+def test_debug_works_after_the_command_too(files):
+    with pytest.raises(InputError, match="no such file"):
+        main(["generate", "--context", "missing.txt", "--question", "q", "--debug"])
+    with pytest.raises(InputError, match="no results folder"):
+        main(["report", "nowhere", "--debug"])
