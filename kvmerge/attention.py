@@ -17,6 +17,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
+from .ops import decode_attention as decode_kernel
+
 ATTN_NAME = "kvmerge"
 # On CUDA: flash, or the memory-efficient kernel where a log-mass bias is given. cuDNN's kernel is left out:
 # it plans a graph for every new key length, which costs more CPU time per decoding step than the step itself.
@@ -60,6 +62,8 @@ def biased_sdpa(query, key, value, log_n, scaling=None, window=None):
     """
     q, hkv = query.shape[2], key.shape[1]
     rep = query.shape[1] // hkv
+    if q == 1 and window is None and decode_kernel.available(query):  # a decoding step on the GPU
+        return decode_kernel.decode_attention(query, key, value, log_n, scaling)
     if q > 1 and (hkv == 1 or bool((log_n == log_n[:, :1]).all())):  # one mask for every head (no merges yet)
         bias = attention_bias(log_n[:, :1], q, query.dtype, window)  # (b, 1, q, s): not repeated per head
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scaling, enable_gqa=rep > 1)

@@ -99,8 +99,8 @@ def test_chunked_prefill_on_cuda_holds_the_budget_and_equals_the_cpus_entries(na
         s = kvmerge.Session(tiny_model().to(device), 2, m, TinyTokenizer())
         with torch.no_grad():
             logits = s.prefill(rows, chunk=64)
+            entries.append(s.cache.entries)
             assert torch.isfinite(s.forward([[3], [4]])).all() and torch.isfinite(logits).all()
-        entries.append(s.cache.entries)
     assert entries[0] == entries[1]
     assert (sum(entries[1]) <= 2 * m.target(400) + 2) if name in ("pyramidkv", "d2o") else max(entries[1]) <= m.target(400)
 
@@ -126,3 +126,17 @@ def test_model_generate_on_cuda_equals_kvmerge_generate(spec):
         cache = kv.prefill(ctx)
         got = model.generate(torch.tensor([ctx + q], device="cuda"), cache=cache, max_new_tokens=12, do_sample=False)
     assert got[0, len(ctx + q):].tolist() == want.tokens[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 32, 8, 5000, 128), (3, 12, 4, 77, 80), (2, 4, 4, 1, 64), (1, 16, 1, 700, 256)])
+def test_the_decode_kernel_equals_the_reference(dtype, shape):
+    from kvmerge.ops.decode_attention import available, decode_attention
+
+    b, hq, hkv, s, d = shape
+    query, _, _, log_n = merged_inputs(b, hq, hkv, 1, s + 9, d, dtype)
+    key, value = (torch.randn(b, hkv, s + 9, d, device="cuda", dtype=dtype)[:, :, :s] for _ in range(2))  # strided
+    log_n = log_n[:, :, :s].contiguous()
+    assert available(query)
+    out = decode_attention(query, key, value, log_n)
+    assert torch.allclose(out.double().cpu(), reference(query, key, value, log_n), atol=TOL[dtype], rtol=0)
