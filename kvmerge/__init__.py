@@ -20,7 +20,7 @@ __version__ = "0.2.0"
 
 _WHERE = {  # public name → the submodule that defines it
     "kvmerge_attention": "attention", "MergedCache": "cache", "MergedLayer": "cache",
-    "Compressor": "compressing", "compressing": "compressing",
+    "Compressor": "compressing", "compressing": "compressing", "default_method": "defaults",
     "GenerationOutput": "generate", "Sampling": "generate", "Stats": "stats", "answer_questions": "generate",
     "answer_questions_ids": "generate",
     "generate": "generate", "generate_ids": "generate", "split_prompt": "generate",

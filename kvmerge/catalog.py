@@ -18,7 +18,6 @@ from .spec import parse_spec
 
 RUNTIME_NAMES = {"transformers": "transformers", "chunked": "chunked", "vllm": "vLLM"}
 SHORT_RUNTIME_NAMES = {"transformers": "hf", "chunked": "chunked", "vllm": "vLLM"}
-DEFAULT_METHOD = "mixedmerge"
 SHORT = {  # the table's line per method (`kvmerge methods NAME` shows the whole description)
     "cam": "H2O's picks; evicted values merged ahead",
     "centroidkv": "similar keys merged into centroids",
@@ -186,14 +185,17 @@ def table(width: int | None = None) -> str:
     width = width or 100
     data = rows()
     head = ("  name", "kind", "cost", "runs in", "what it does")
-    cells = [(("* " if r["recommended"] else "  ") + r["name"] + (" (default)" if r["name"] == DEFAULT_METHOD else ""),
+    from .defaults import FALLBACK, LEARNED, RULE
+
+    mark = {LEARNED: " (default)", FALLBACK: " (fallback)"}
+    cells = [(("* " if r["recommended"] else "  ") + r["name"] + mark.get(r["name"], ""),
               r["kind"] if not r["experimental"] else "part", _cost(r), _where(r, short=True),
               SHORT.get(r["name"], r["summary"])) for r in data]
     widths = [max(len(c[i]) for c in [head, *cells]) for i in range(4)]
     room = max(20, width - sum(widths) - 2 * 4)
     lines = ["  ".join(x.ljust(w) for x, w in zip(c, widths)) + "  " + _cut(c[4], room) for c in [head, *cells]]
-    legend = [f"Default: {DEFAULT_METHOD} (kvmerge generate, kvmerge.generate, kvmerge.compressing, the vLLM "
-              "plugin).", "* recommended (README: which method to pick).",
+    legend = [f"Default (kvmerge generate, kvmerge.compressing, the vLLM plugin): {RULE}, which logs one line "
+              "naming `kvmerge train-scorer --model PATH`.", "* recommended (README: which method to pick).",
               "kind: method, preset (a method with other defaults), part (experimental: a piece of a preset, not "
               "meant alone). cost: one pass = scored during the prefill; 2nd pass = another forward over the context "
               "before compressing. runs in: hf = transformers (one-shot), chunked (--prefill-chunk), vLLM (the plugin).",
@@ -218,8 +220,11 @@ def detail(name: str, width: int | None = None) -> str:
                                "them")
     r = found
     wrap = lambda text, indent="": textwrap.wrap(text, width, subsequent_indent=indent, break_on_hyphens=False)  # noqa: E731
+    from .defaults import FALLBACK, LEARNED, RULE
+
     marks = "".join([", recommended" if r["recommended"] else "", ", experimental" if r["experimental"] else "",
-                     ", the default" if r["name"] == DEFAULT_METHOD else ""])
+                     ", the default where the model has learned-scorer weights" if r["name"] == LEARNED else "",
+                     ", the default where the model has no learned-scorer weights" if r["name"] == FALLBACK else ""])
     doc = r.get("doc") or []
     out = wrap(f"{r['name']} ({r['kind']}{marks}): {' '.join([r['summary'], *doc[:1]])}")
     for paragraph in doc[1:]:
@@ -227,6 +232,8 @@ def detail(name: str, width: int | None = None) -> str:
     if r.get("source"):
         out += ["", *wrap(f"source: {r['source']}")]
     out.append("")
+    if r["name"] in (LEARNED, FALLBACK):
+        out += wrap(f"default: {RULE}")
     if r["aliases"]:
         out.append(f"old names: {', '.join(r['aliases'])}")
     if r["spec"]:

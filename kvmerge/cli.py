@@ -13,6 +13,7 @@ import os
 import re
 import sys
 
+from .defaults import RULE
 from .errors import KVMergeError, one_line, suggest
 
 TASKS = ("niah", "ruler", "fidelity", "code", "family", "ruler-real")
@@ -148,9 +149,9 @@ def _parser() -> argparse.ArgumentParser:
                          formatter_class=fmt, epilog=EPILOG)
     gen.add_argument("--context", required=True, metavar="FILE", help="UTF-8 text file with the context; - reads stdin")
     gen.add_argument("--question", required=True, metavar="TEXT", help="the question, asked after the context is compressed")
-    gen.add_argument("--method", default="mixedmerge", metavar="SPEC",
+    gen.add_argument("--method", default=None, metavar="SPEC",
                      help="a method spec NAME[:param=value...], e.g. snapkv:kernel=5 (kvmerge methods lists them; "
-                     "full: no compression)")
+                     f"full: no compression) (default: {RULE})")
     gen.add_argument("--budget", type=_budget, default=0.25, metavar="B",
                      help="what the cache keeps: a fraction of the context in (0, 1] or a whole number of entries")
     gen.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="the longest answer, in tokens")

@@ -152,11 +152,13 @@ def generate(args) -> int:
     if args.stop is not None and not all(args.stop):
         raise InputError("--stop needs non-empty strings, comma-separated")
     model_name(args.model)
-    name, params = parse_spec(args.method)
-    if params.get("sliding") is not None:  # refused before torch loads, where it can be
-        runs_here(argparse.Namespace(name=name, sliding=params["sliding"]), args.model, None)
-    m = method(args.method, args.budget, args.prefill_chunk)
-    runs_here(m, args.model, args.prefill_chunk, len(text))
+    spec = args.method or _default_spec(args.model)  # None: known once the model is loaded
+    if spec is not None:
+        name, params = parse_spec(spec)
+        if params.get("sliding") is not None:  # refused before torch loads, where it can be
+            runs_here(argparse.Namespace(name=name, sliding=params["sliding"]), args.model, None)
+        m = method(spec, args.budget, args.prefill_chunk)
+        runs_here(m, args.model, args.prefill_chunk, len(text))
     device(args.device)
 
     from transformers import TextStreamer
@@ -168,12 +170,37 @@ def generate(args) -> int:
     if sys.stderr.isatty() and not args.no_progress:
         print(f"loading {args.model or 'smollm2-135m'} ...", file=sys.stderr, end="\r", flush=True)
     model, tok = load_model(args.model, device=args.device)
+    if spec is None:  # the default method, for the loaded model (checked before any forward)
+        from .defaults import default_method
+
+        m = method(default_method(model), args.budget, args.prefill_chunk)
+        runs_here(m, args.model, args.prefill_chunk, len(text))
     bars = None if args.no_progress else ProgressBars(decode=not sys.stdout.isatty())
     out = run(model, tok, text, args.question, m, args.max_new_tokens, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
               streamer=TextStreamer(tok, skip_special_tokens=True), prefill_chunk=args.prefill_chunk, progress=bars)
     print(f"[{out.stats}]", file=sys.stderr)
     return 0
+
+
+def _default_spec(name) -> str | None:
+    """The default method's spec for the model `name`, from its config alone where that can be read
+    without loading the model (a bundled model once converted, a local folder); None otherwise."""
+    from .model import BUNDLED, DEFAULT_MODEL, cache_dir
+
+    text = str(name or DEFAULT_MODEL)
+    folder = cache_dir() / text if text in BUNDLED else Path(text).expanduser()
+    if not (folder / "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    from .defaults import default_method
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError):
+        return None
+    return default_method(config)
 
 
 def methods(args) -> int:

@@ -141,11 +141,17 @@ class Compressor:
 
 
 @contextmanager
-def compressing(model, method: Method | str, tokenizer=None, **params):
+def compressing(model, method: Method | str | None = None, tokenizer=None, **params):
     """Compress the caches of `model.generate` (and plain forwards) inside the block; yields the
     `Compressor` (its `prefill` compresses a context for the question-agnostic recipe). `method` is a
-    `Method` or a name with `params` (`compressing(model, "snapkv", budget=0.25)`)."""
+    `Method`, or a name or spec with `params` (`compressing(model, "snapkv", budget=0.25)`); None: the
+    default for this model (`kvmerge.defaults.default_method`: learnedzip where it has learned-scorer
+    weights, else mixedmerge), with `params`."""
     with refusing():
+        if method is None:
+            from .defaults import default_method
+
+            method = default_method(model)
         if isinstance(method, str):
             method = get_method(method, **params)
         elif params:
@@ -153,6 +159,10 @@ def compressing(model, method: Method | str, tokenizer=None, **params):
         if not isinstance(method, Method):
             raise ParameterTypeError(f"method must be a name or a kvmerge Method, got {type(method).__name__}")
         check_params(method)
+        if method.needs.tokenizer and tokenizer is None:
+            name = getattr(method, "preset", None) or method.name
+            raise InputError(f"{name} needs the model's tokenizer (sentence ends, its chat template): pass "
+                             f"tokenizer=tok to kvmerge.compressing")
     compressor = Compressor(model, method, tokenizer)
     own = vars(model).get("generate")  # an instance attribute set before, if any
     with kvmerge_attention(model):

@@ -155,7 +155,7 @@ def test_methods_table_says_what_each_does_its_cost_and_where_it_runs(capsys, mo
     out = capsys.readouterr().out
     cols = {c[0].lstrip("* "): c for c in (re.split(r"\s{2,}", line.strip()) for line in out.splitlines())
             if len(c) == 5}
-    cols = {name.removesuffix(" (default)"): c for name, c in cols.items()}
+    cols = {name.removesuffix(" (default)").removesuffix(" (fallback)"): c for name, c in cols.items()}
     assert cols["zipguardmerge"][0] == "* zipguardmerge" and cols["mixedmerge"][0].startswith("* mixedmerge")
     assert cols["kvzip"][2] == "2nd pass" and cols["snapkv"][2] == "one pass" and "vLLM" in cols["snapkv"][3]
     assert "vLLM" not in cols["kvzip"][3] and cols["zipguard"][1] == "part"
@@ -178,8 +178,13 @@ def test_methods_fit_the_terminal_and_name_the_default(capsys, monkeypatch):
     assert max(map(len, lines)) <= 100, max(lines, key=len)
     rows = [line for line in lines if line[2:].split(" ")[0] in kvmerge.available_methods()]
     assert len(rows) == len(kvmerge.available_methods())
-    assert [r for r in rows if "(default)" in r] == [r for r in rows if r.startswith("* mixedmerge (default) ")]
-    assert "Default: mixedmerge (kvmerge generate, kvmerge.generate, kvmerge.compressing, the vLLM plugin)." in lines
+    assert [r for r in rows if "(default)" in r] == [r for r in rows if r.startswith("  learnedzip (default) ")]
+    assert [r for r in rows if "(fallback)" in r] == [r for r in rows if r.startswith("* mixedmerge (fallback) ")]
+    legend = " ".join(out.split())
+    assert ("Default (kvmerge generate, kvmerge.compressing, the vLLM plugin): learnedzip where the model has "
+            "learned-scorer weights (both bundled models; learnedzip:sliding=0.75 on models with sliding-window layers, "
+            "learnedzip:alloc=uniform in vLLM), else mixedmerge, which logs one line naming `kvmerge train-scorer "
+            "--model PATH`.") in legend
     assert main(["methods", "snapkv"]) == 0
     detail = capsys.readouterr().out
     assert max(map(len, detail.splitlines())) <= 100
@@ -189,7 +194,10 @@ def test_methods_fit_the_terminal_and_name_the_default(capsys, monkeypatch):
             "window.") in text
     assert "source: SnapKV (Li et al., 2024, arXiv 2404.14469)" in text
     assert main(["methods", "mixedmerge"]) == 0
-    assert capsys.readouterr().out.startswith("mixedmerge (preset, recommended, the default): ")
+    assert " ".join(capsys.readouterr().out.split()).startswith(
+        "mixedmerge (preset, recommended, the default where the model has no learned-scorer weights): ")
+    assert main(["methods", "learnedzip"]) == 0
+    assert "default: learnedzip where the model has learned-scorer weights" in " ".join(capsys.readouterr().out.split())
 
 
 def test_specs_are_read_at_colons_outside_brackets_and_values_as_json():
@@ -227,7 +235,8 @@ def test_help_texts_name_what_runs(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "--question TEXT the question" in out and "(default: mixedmerge)" in out and "(default: 64)" in out
+    assert "--question TEXT the question" in out and "(default: 64)" in out
+    assert "(default: learnedzip where the model has learned-scorer weights (both bundled models; " in out
 
 
 def test_report_says_what_it_wrote_with_readable_axes(capsys, tmp_path):
@@ -272,3 +281,27 @@ def test_debug_works_after_the_command_too(files):
         main(["generate", "--context", "missing.txt", "--question", "q", "--debug"])
     with pytest.raises(InputError, match="no results folder"):
         main(["report", "nowhere", "--debug"])
+
+
+def test_generate_without_a_method_checks_the_default_for_the_model_before_loading_it(capsys, files, monkeypatch,
+                                                                                      caplog):
+    """`kvmerge generate` without --method: the model's default (learnedzip with learned-scorer weights,
+    else mixedmerge and one line naming kvmerge train-scorer), read from its config before it loads."""
+    import kvmerge.commands
+    import kvmerge.defaults
+
+    from .conftest import tiny_model
+
+    monkeypatch.setattr(kvmerge.defaults, "_told", set())
+    checked = []
+    real = kvmerge.commands.method
+    monkeypatch.setattr(kvmerge.commands, "method", lambda spec, *a: checked.append(spec) or real(spec, *a))
+    for name, model in (("weights", tiny_model()), ("none", tiny_model(hidden_size=32, num_attention_heads=2,
+                                                                       num_key_value_heads=1))):
+        model.config.save_pretrained(files / name)
+        with pytest.raises(SystemExit) as e:
+            main(G + ["--model", str(files / name)])
+        assert e.value.code == 1 and "the model was loaded" in capsys.readouterr().err
+    assert checked == ["learnedzip", "mixedmerge"]
+    told = [r.getMessage() for r in caplog.records if r.name == "kvmerge"]
+    assert len(told) == 1 and "kvmerge train-scorer --model" in told[0] and "\n" not in told[0]

@@ -53,7 +53,7 @@ def test_plugin_off_leaves_the_config_stock_and_on_installs_its_worker_and_sched
     ({"method": "snapkv", "budget": 3}, "below the protected sinks"),
     ({"method": "snapkv", "budget": "half"}, "budget must be a float"),
     ({"method": "snapkv:kernal=5"}, "snapkv has no parameter"),
-    ({"budget": 0.25}, '"method" must be a method spec'),
+    ({"method": 3, "budget": 0.25}, '"method" must be a method spec'),  # left out: the default (test_defaults.py)
     ({"method": "snapkv", "ratio": 0.25}, "unknown setting"),
     ({"method": "evictmerge:base=kvzip", "budget": 0.25}, "evictmerge runs another forward pass"),
     ({"method": "kvzip", "budget": 0.25}, "kvzip runs another forward pass"),

@@ -28,7 +28,10 @@ KERNEL_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # what 
 
 @dataclass(frozen=True)
 class Settings:
-    """`additional_config["kvmerge"]`: `method`, a spec `kvmerge.method_from_spec` accepts, and
+    """`additional_config["kvmerge"]`: `method`, a spec `kvmerge.method_from_spec` accepts (left out:
+    the default for the model, `kvmerge.defaults.default_method(..., runtime="vllm")`, which `check`
+    writes into the config: `learnedzip:alloc=uniform` where it has learned-scorer weights, else
+    `mixedmerge`), and
     `budget` (a float in (0, 1]: the fraction of each prompt's entries kept per layer and KV head; an
     int: a number of entries; None: the spec's or the method's default) and `imports`: modules or
     Python files that register methods of one's own, imported in every vLLM process before `method`
@@ -60,8 +63,8 @@ def settings_of(additional_config) -> Settings | None:
     if not isinstance(imports, (list, tuple)) or not all(isinstance(x, str) for x in imports):
         raise ValueError(f'kvmerge: "imports" must be a list of module names or .py paths, got {imports!r}')
     if not isinstance(raw.get("method"), str):
-        raise ValueError(f'kvmerge: "method" must be a method spec string (kvmerge.available_methods()), '
-                         f"got {raw.get('method')!r}")
+        raise ValueError(f'kvmerge: "method" must be a method spec string (kvmerge.available_methods()), or left '
+                         f"out for the default, got {raw.get('method')!r}")
     budget = raw.get("budget")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))):
         raise ValueError(f"kvmerge: budget must be a float in (0, 1] or an int number of entries, got {budget!r}")
@@ -136,7 +139,13 @@ def layout(method: Method, prompt: int, block_size: int) -> Layout:
 def check(vllm_config) -> Settings | None:
     """Validate the plugin's settings against vLLM's config: None when the plugin is off, else the
     settings; raises a ValueError naming the problem (and what to pass instead)."""
-    settings = settings_of(getattr(vllm_config, "additional_config", None))
+    additional = getattr(vllm_config, "additional_config", None)
+    raw = additional.get(KEY) if isinstance(additional, dict) else None
+    if isinstance(raw, dict) and "method" not in raw:  # the default, written into the config every process reads
+        from ..defaults import default_method
+
+        raw["method"] = default_method(vllm_config.model_config.hf_text_config, runtime="vllm")
+    settings = settings_of(additional)
     if settings is None:
         return None
     try:

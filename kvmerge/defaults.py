@@ -1,0 +1,56 @@
+"""The default method, defined once: what `kvmerge generate` without `--method`, `kvmerge.compressing(model)`
+without a method and the vLLM plugin without a "method" setting compress with.
+
+`learnedzip` where learned-scorer weights for the model are found (by its fingerprint, as
+`kvmerge.scorer.find` looks: trained here, in `$KVMERGE_SCORERS`, or shipped for the bundled SmolLM2
+and Gemma-3); on a model with sliding-window layers with the sliding share, `learnedzip:sliding=0.75`,
+as its held-out results were measured (docs/results.md, suite `generalise-test`); in vLLM
+`learnedzip:alloc=uniform` (one entry count for every layer and head there). Without weights,
+`mixedmerge`, and one logged line (once per model and process) names the command that fits them.
+
+Imports nothing heavy at module level: the command line reads `RULE` before torch loads.
+"""
+
+from __future__ import annotations
+
+import logging
+
+LEARNED = "learnedzip"
+FALLBACK = "mixedmerge"
+SLIDING = "learnedzip:sliding=0.75"
+VLLM = "learnedzip:alloc=uniform"
+RULE = (f"{LEARNED} where the model has learned-scorer weights (both bundled models; {SLIDING} on models with "
+        f"sliding-window layers, {VLLM} in vLLM), else {FALLBACK}")
+
+logger = logging.getLogger("kvmerge")
+_told: set[str] = set()  # fingerprints of the models already told how to train weights
+
+
+def default_method(model_or_config, runtime: str = "transformers") -> str:
+    """The default method's spec for a model (a transformers model or its config): see the module's
+    docstring. `runtime`: "transformers" (also chunked) or "vllm". Without weights, logs one warning
+    line (once per model) naming `kvmerge train-scorer --model ...`."""
+    from .scorer import fingerprint, locate
+
+    config = getattr(model_or_config, "config", model_or_config)
+    if locate(config) is not None:
+        if runtime == "vllm":
+            return VLLM
+        return SLIDING if _has_sliding_layers(config) else LEARNED
+    key = fingerprint(config)
+    if key not in _told:
+        _told.add(key)
+        name = getattr(config, "name_or_path", "") or "PATH"
+        logger.warning(f"kvmerge: no learned-scorer weights for this model (fingerprint {key}), so the default method "
+                       f"is {FALLBACK}; `kvmerge train-scorer --model {name}` fits them (about 15 minutes on a CPU), "
+                       f"then the default is {LEARNED}")
+    return FALLBACK
+
+
+def _has_sliding_layers(config) -> bool:
+    from .sliding import layer_windows
+
+    try:
+        return any(w is not None for w in layer_windows(config))
+    except ValueError:  # a layer type kvmerge refuses anyway, with its own message
+        return False

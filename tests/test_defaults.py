@@ -1,0 +1,104 @@
+"""The default method, defined once (`kvmerge.defaults.default_method`): learnedzip where the model has
+learned-scorer weights (with the sliding share on a model with sliding-window layers; uniform
+allocation in vLLM), else mixedmerge with one line naming `kvmerge train-scorer`."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kvmerge
+import kvmerge.defaults
+from kvmerge.defaults import default_method
+
+from .conftest import TinyTokenizer, random_ids, tiny_model
+from .test_hybrid import gemma3
+
+
+def no_weights():
+    """A tiny model whose shapes no scorer in the tests' folder (conftest) was made for."""
+    return tiny_model(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch, tmp_path):
+    monkeypatch.setattr(kvmerge.defaults, "_told", set())  # every test sees the first telling
+    monkeypatch.setenv("KVMERGE_CACHE", str(tmp_path))  # no weights trained on this machine
+
+
+def told(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kvmerge"]
+
+
+def test_a_model_without_weights_defaults_to_mixedmerge_with_one_line_naming_the_training_command(caplog):
+    model = no_weights()
+    assert default_method(model) == "mixedmerge" and default_method(model.config, runtime="vllm") == "mixedmerge"
+    (line,) = told(caplog)  # once per model, however often asked
+    assert "\n" not in line and "so the default method is mixedmerge" in line
+    assert "`kvmerge train-scorer --model PATH` fits them" in line and "then the default is learnedzip" in line
+
+
+def test_a_model_with_weights_defaults_to_learnedzip_as_its_results_were_measured(caplog):
+    """conftest's folder holds (random) weights for tiny_model() and the tiny Gemma-3."""
+    assert default_method(tiny_model()) == "learnedzip"
+    assert default_method(tiny_model(), runtime="vllm") == "learnedzip:alloc=uniform"
+    assert default_method(gemma3()) == "learnedzip:sliding=0.75"  # sliding-window layers: the share
+    assert told(caplog) == []
+
+
+def test_weights_trained_here_switch_the_default(monkeypatch, caplog):
+    """`kvmerge train-scorer`'s function on a tiny model (its corpus replaced) writes weights where the
+    default finds them: mixedmerge before, learnedzip after."""
+    import kvmerge.train_scorer as ts
+
+    model = no_weights()
+    assert default_method(model) == "mixedmerge"
+    monkeypatch.setattr(ts, "corpus", lambda: ["".join(chr(97 + (7 * i + j) % 26) for i in range(400)) for j in range(6)])
+    monkeypatch.setattr(ts, "load_model", lambda name: (model, TinyTokenizer()), raising=False)
+    monkeypatch.setattr("kvmerge.model.load_model", lambda name: (model, TinyTokenizer()))
+    path = ts.main("tiny", texts=3, held=1, length=96)
+    assert path.exists() and default_method(model) == "learnedzip"
+    assert len(told(caplog)) == 1
+
+
+def test_compressing_without_a_method_uses_the_default():
+    for model, name in ((tiny_model(), "learnedzip"), (no_weights(), "mixedmerge")):
+        ctx = random_ids(120, seed=5)
+        with kvmerge.compressing(model, budget=0.25, window=8, tokenizer=TinyTokenizer()) as kv:
+            assert (getattr(kv.method, "preset", None) or kv.method.name) == name and kv.method.budget == 0.25
+            out = model.generate(torch.tensor([ctx]), max_new_tokens=2, do_sample=False)
+        assert out.shape == (1, 122)
+
+
+def _vllm_config(model, settings):
+    """What `kvmerge.vllm.config.check` reads of vLLM's config, for a transformers model."""
+    text = model.config
+    return SimpleNamespace(
+        additional_config={"kvmerge": settings},
+        model_config=SimpleNamespace(hf_text_config=text, hf_config=text, get_head_size=lambda: 16),
+        cache_config=SimpleNamespace(enable_prefix_caching=False, cache_dtype="auto"), speculative_config=None,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
+                                        worker_cls="auto"),
+        use_v2_model_runner=False, scheduler_config=SimpleNamespace(scheduler_cls=None))
+
+
+def test_the_vllm_plugin_without_a_method_runs_the_default_written_into_its_config(caplog):
+    from kvmerge.vllm.config import check
+
+    for model, spec in ((tiny_model(), "learnedzip:alloc=uniform"), (no_weights(), "mixedmerge")):
+        config = _vllm_config(model, {"budget": 0.25})
+        settings = check(config)
+        assert settings.method == spec and config.additional_config["kvmerge"]["method"] == spec  # every process
+        assert settings.build().budget == 0.25
+    assert len(told(caplog)) == 1
+    with pytest.raises(ValueError, match=r'"method" must be a method spec string .*, or left out for the default'):
+        check(_vllm_config(tiny_model(), {"method": 3}))
+
+
+def test_compressing_refuses_a_method_that_needs_the_tokenizer_without_one():
+    """mixedmerge (the default without weights) reads sentence ends: refused at the block's start, in one
+    line, not as an error inside the first forward."""
+    with pytest.raises(kvmerge.KVMergeError, match=r"^mixedmerge needs the model's tokenizer \(sentence ends, its chat "
+                       r"template\): pass tokenizer=tok to kvmerge.compressing$"):
+        with kvmerge.compressing(no_weights()):
+            pass
