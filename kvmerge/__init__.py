@@ -27,6 +27,7 @@ _WHERE = {  # public name → the submodule that defines it
     "LayerContext": "methods", "LayerState": "methods", "Method": "methods", "Needs": "methods",
     "ScoringMethod": "methods", "available_methods": "methods", "get_method": "methods",
     "method_from_spec": "methods", "register": "methods",
+    "CompressedContext": "context", "compress_context": "context", "load_context": "context",
     "check_supported": "model", "load_model": "model", "KV": "ops.kv", "Session": "session",
 }
 

@@ -41,9 +41,14 @@ class Compressor:
 
     @torch.no_grad()
     def prefill(self, context_ids) -> MergedCache:
-        """Prefill and compress `context_ids` (one row or equal-length rows); pass the cache to
+        """Prefill and compress `context_ids` (one row or equal-length rows; or take a `CompressedContext`
+        as it is, its context's ids from `context.context_ids`); pass the cache to
         `model.generate(input_ids=context + question, cache=...)`, once per question: every such call
         starts from this compressed context (the cache keeps a copy of it, restored per call)."""
+        from .context import CompressedContext
+
+        if isinstance(context_ids, CompressedContext):  # compressed before (or loaded from a file)
+            return self._adopt(context_ids)
         with refusing():
             if isinstance(context_ids, str):
                 raise ParameterTypeError("kv.prefill takes token ids, not text: kvmerge.split_prompt(tok, context, "
@@ -59,6 +64,18 @@ class Compressor:
         session.prefill(rows)
         self._sessions[id(session.cache)] = session
         self._contexts[id(session.cache)] = (rows, session.snapshot())
+        return session.cache
+
+    def _adopt(self, context) -> MergedCache:
+        with refusing():
+            if context.context_ids is None:
+                raise InputError("this compressed context kept only its token ids' hash: model.generate needs the "
+                                 "ids (compress with keep_ids=True), or answer with kvmerge.generate")
+            if context.model is not self.model:
+                raise InputError("this compressed context belongs to another model object than the one compressing")
+        session = context.rewind()
+        self._sessions[id(session.cache)] = session
+        self._contexts[id(session.cache)] = ([list(context.context_ids)], session.snapshot())
         return session.cache
 
     def rewind(self, cache: MergedCache, input_ids=None) -> None:

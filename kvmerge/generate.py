@@ -115,6 +115,14 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
                                      "positional argument: pass max_new_tokens=... by name")
         return answer_questions_ids(model, tokenizer, context, questions, max_new_tokens, eos_token_id,
                                     progress=progress)
+    if _is_compressed(context):
+        ends = end_ids(tokenizer, chat_template) if eos_token_id is None else eos_token_id
+        outs = []
+        for q in [questions] if isinstance(questions, str) else questions:
+            out = from_context(context, context.question_ids(q), max_new_tokens, ends, progress=progress)
+            out.text = tokenizer.decode(out.tokens[0], skip_special_tokens=True).strip()
+            outs.append(out)
+        return outs
     with refusing():
         if isinstance(questions, str):
             questions = [questions]
@@ -179,6 +187,16 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
     its turn (the tokenizer's eos and, with a chat template, its end-of-turn token) or after the first
     of the `stop` strings (cut from the text); `streamer` gets a single row's tokens as they come (e.g.
     `transformers.TextStreamer(tokenizer)`); `prefill_chunk`, `progress`: see `generate_ids`."""
+    if _is_compressed(context):
+        with refusing():
+            if not isinstance(question, str):
+                raise ParameterTypeError("a compressed context answers one question str at a time here "
+                                         "(several: kvmerge.answer_questions)")
+            sampling = Sampling(temperature, top_k, top_p, seed)
+        out = from_context(context, context.question_ids(question), max_new_tokens, end_ids(tokenizer, chat_template),
+                           sampling, streamer, _stopper(tokenizer, stop), progress)
+        out.text = _cut(tokenizer.decode(out.tokens[0], skip_special_tokens=True), _stops(stop)).strip()
+        return out
     with refusing():
         single = isinstance(context, str)
         if isinstance(context, torch.Tensor) or (not single and context and not isinstance(context[0], str)):
@@ -190,11 +208,8 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
         if isinstance(method, str):
             method = get_method(method)
         sampling = Sampling(temperature, top_k, top_p, seed)
-        if isinstance(stop, str):
-            stop = [stop]
         pairs = [split_prompt(tokenizer, c, q, chat_template) for c, q in zip(contexts, questions)]
-    stop = [x for x in (stop or []) if x]
-    stopped = (lambda row: any(x in tokenizer.decode(row, skip_special_tokens=True) for x in stop)) if stop else None
+    stop, stopped = _stops(stop), _stopper(tokenizer, stop)
     out = generate_ids(model, [p[0] for p in pairs], [p[1] for p in pairs], method, max_new_tokens, protocol,
                        eos_token_id=end_ids(tokenizer, chat_template), tokenizer=tokenizer, sampling=sampling,
                        streamer=streamer, stop=stopped, prefill_chunk=prefill_chunk, progress=progress)
@@ -203,6 +218,43 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
     if single:
         out.stats["context_tokens"] = out.stats["context_tokens"][0]
     return out
+
+
+def _stops(stop) -> list[str]:
+    return [x for x in ([stop] if isinstance(stop, str) else stop or []) if x]
+
+
+def _stopper(tokenizer, stop):
+    """`stop(row_tokens)` for the stop strings, or None."""
+    stop = _stops(stop)
+    return (lambda row: any(x in tokenizer.decode(row, skip_special_tokens=True) for x in stop)) if stop else None
+
+
+def _is_compressed(x) -> bool:
+    from .context import CompressedContext
+
+    return isinstance(x, CompressedContext)
+
+
+@torch.inference_mode()
+def from_context(context, question_ids: list[int], max_new_tokens: int = 32, eos_token_id=None, sampling=None,
+                 streamer=None, stop=None, progress=None) -> GenerationOutput:
+    """Answer from a `CompressedContext` (see `kvmerge.context`): the question's ids fed after the
+    compressed context, then decoded; the context is as it was for the next question."""
+    with refusing():
+        session = context.session
+        _validate(session.model, [[0] * context.tokens], [list(question_ids)], "agnostic", max_new_tokens,
+                  session.method)
+    session = context.rewind()
+    session.reserve(len(question_ids) + max_new_tokens)
+    stats = {**cache_stats(session, [[0] * context.tokens], "agnostic"), **context.meta.get("timings", {}),
+             "context_tokens": context.tokens}
+    report = bars_for(progress)
+    try:
+        logits = session.forward([list(question_ids)], decoding=False)
+        return decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop, report)
+    finally:
+        getattr(report, "close", lambda: None)()
 
 
 def end_ids(tokenizer, chat_template: bool = True) -> list[int]:

@@ -46,6 +46,7 @@ class Session:
         self.memo: dict = {}  # what methods computed from the cache as it is now (a new dict once it changes)
         self.runtime = SessionRuntime(self, tokenizer)  # all a method sees of the Session
         self._decode_policy = False
+        self.before_compress = None  # called with no arguments as each compression starts (an observer)
         if method is not None:
             self.use(method, tokenizer)
 
@@ -252,6 +253,8 @@ class Session:
         `running` (chunked prefill): the target is `method.running_target` of the tokens seen so far,
         and methods see the ids of the plain tokens not yet compressed only (`ctx.token_ids`)."""
         method = self.method
+        if self.before_compress is not None:
+            self.before_compress()
         window = method.window if window is None else window
         picked = self.cache.compressible
         if not picked and isinstance(method, Full):

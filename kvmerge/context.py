@@ -1,0 +1,338 @@
+"""Compressed contexts as files: compress a context once (with any method, however costly), save it
+with safetensors, and answer questions from it in any process.
+
+    ctx = kvmerge.compress_context(model, tok, document, "zipguardmerge", budget=0.25)
+    ctx.save("doc.kvz")
+    ctx = kvmerge.load_context("doc.kvz", model, tok)         # another process, milliseconds
+    kvmerge.generate(model, tok, ctx, "Who signed it?").text   # also answer_questions, model.generate
+
+A file holds one context row: per layer its entries at their real lengths (a layer whose KV heads
+keep different counts is stored head by head), a sliding layer's window and its positions, the
+request's counters (the positions the next token continues from) and each layer's state; the
+metadata holds the model's fingerprint, the tokenizer's hash, the context's token ids (or only their
+hash), the method spec, the budget, whether the chat template framed the context, the dtype and the
+format's version. Every question starts from the compressed context again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from .errors import InputError, KVMergeError, refusing
+from .layer import MergedLayer
+from .session import Session
+from .sliding import SlidingLayer
+
+FORMAT, VERSION = "kvmerge-context", 1
+PLACEHOLDER = "x"  # the context text a question's ids are cut after (they do not depend on it)
+
+
+class ContextFileError(KVMergeError, ValueError):
+    """A compressed-context file that cannot be used here (corrupt, newer, another model...)."""
+
+
+@dataclass
+class CompressedContext:
+    """One compressed context: the `session` holding it (a snapshot is restored before each
+    question), the tokenizer, `meta` (what a file's metadata holds) and `context_ids` (None when only
+    their hash was kept). `kept`: per compressed layer, `(kv_heads, slots)` the context position each
+    entry is (−1: a merged entry, −2: an empty slot), when known (compressed here, or loaded from a file
+    that kept its token ids)."""
+
+    session: Session
+    tokenizer: object
+    meta: dict
+    context_ids: list[int] | None
+    kept: list[torch.Tensor] | None = None
+    _snapshot: tuple = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self._snapshot = self.session.snapshot()
+
+    @property
+    def model(self):
+        return self.session.model
+
+    @property
+    def tokens(self) -> int:
+        return int(self.meta["tokens"])
+
+    def question_ids(self, question: str) -> list[int]:
+        """The ids that follow the context for `question` (the chat template's rest included)."""
+        from .generate import split_prompt
+
+        return split_prompt(self.tokenizer, PLACEHOLDER, question, self.meta["chat_template"])[1]
+
+    def generate_ids(self, question_ids: list[int], max_new_tokens: int = 32, **kwargs):
+        """Answer from token ids (`kvmerge.generate.from_context`'s keywords)."""
+        from .generate import from_context
+
+        return from_context(self, question_ids, max_new_tokens, **kwargs)
+
+    def rewind(self) -> Session:
+        """The session, back at the compressed context."""
+        self.session.restore(self._snapshot)
+        return self.session
+
+    def save(self, path) -> Path:
+        """Write the file (safetensors; written whole to a temporary name, then renamed)."""
+        from safetensors.torch import save_file
+
+        self.rewind()
+        tensors, layers = {}, []
+        for i, layer in enumerate(self.session.cache.layers):
+            layers.append(_layer_out(layer, f"l{i}.", tensors))
+        policy = self.session.method.needs.decode_policy  # else scratch is compression-time state only
+        states = [_state_out(state, f"s{i}.", tensors, policy) for i, state in enumerate(self.session.states)]
+        for name in ("seen", "plain", "captured"):
+            tensors[name] = getattr(self.session, name)
+        if self.context_ids is not None:
+            tensors["context_ids"] = torch.tensor(self.context_ids, dtype=torch.int64)
+            for i, pos in enumerate(self.kept or []):
+                tensors[f"kept.{i}"] = pos.to(torch.int32)
+        meta = {**self.meta, "layers": layers, "states": states}
+        path = Path(path)
+        tmp = path.with_name(path.name + ".part")
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={"format": FORMAT, "version": str(VERSION), "meta": json.dumps(meta)})
+        tmp.replace(path)
+        return path
+
+    @property
+    def nbytes(self) -> int:
+        """The compressed context's bytes (keys, values, log-mass), sliding layers included."""
+        return self.rewind().cache.nbytes
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """What identifies a tokenizer's ids: its vocabulary and chat template (12 hex)."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    text = json.dumps(sorted(vocab.items())) + str(getattr(tokenizer, "chat_template", None))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def compress_context(model, tokenizer, context, method=None, budget: float | int | None = None,
+                     chat_template: bool = True, prefill_chunk: int | None = None, keep_ids: bool = True,
+                     progress=None) -> CompressedContext:
+    """Prefill and compress `context` (a str, framed as the start of a user turn by the chat template
+    when the tokenizer has one, or token ids used as they are) with `method` (a name, spec or Method;
+    None: the default for this model) at `budget`. `keep_ids=False` stores only the ids' hash."""
+    from .cache import stock_cache_bytes
+    from .defaults import default_method
+    from .generate import _validate, split_prompt
+    from .methods import Method, get_method
+    from .progress import bars_for, watching
+    from .scorer import fingerprint
+
+    with refusing():
+        if isinstance(context, str):
+            ids = split_prompt(tokenizer, context, PLACEHOLDER, chat_template)[0]
+            chat = bool(chat_template and getattr(tokenizer, "chat_template", None))
+        else:
+            ids = list(context.tolist() if isinstance(context, torch.Tensor) else context)
+            chat = False
+        if method is None:
+            method = default_method(model)
+        spec = method if isinstance(method, str) else None
+        if not isinstance(method, Method):
+            method = get_method(method, budget=budget)
+        spec = spec or spec_of(method)
+        _validate(model, [ids], [[0]], "agnostic", 1, method, prefill_chunk)
+        session = Session(model, 1, method, tokenizer)
+    positions = _Provenance(session)
+    report = bars_for(progress)
+    try:
+        with watching(session, report, len(ids)):
+            session.prefill([ids], chunk=prefill_chunk)
+    finally:
+        getattr(report, "close", lambda: None)()
+    dtype = session.cache.layers[0].keys.dtype
+    meta = {"model": fingerprint(model.config), "model_name": str(getattr(model.config, "name_or_path", "")),
+            "tokenizer": tokenizer_hash(tokenizer), "ids_hash": _ids_hash(ids), "tokens": len(ids),
+            "method": spec, "budget": method.budget, "chat_template": chat,
+            "dtype": str(dtype).removeprefix("torch."), "full_bytes": stock_cache_bytes(model.config, dtype, len(ids)),
+            "timings": session.timings}
+    return CompressedContext(session, tokenizer, meta, ids if keep_ids else None, positions.kept())
+
+
+def load_context(path, model, tokenizer) -> CompressedContext:
+    """A context saved by `CompressedContext.save`, for `model` and `tokenizer`: refused in one line
+    (a `KVMergeError`) before any forward when the file is not one, is cut off or corrupt, is of a
+    newer format, or was made for another model or tokenizer; its tensors go to the model's device,
+    converted to the model's dtype where that loses nothing."""
+    from safetensors import SafetensorError, safe_open
+
+    from .methods import get_method
+    from .scorer import fingerprint
+
+    path = Path(path)
+    with refusing():
+        if not path.is_file():
+            raise InputError(f"no compressed-context file {str(path)!r}")
+        try:
+            with safe_open(str(path), "pt") as f:
+                head, tensors = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise ContextFileError(f"{path} is cut off or corrupt (not a whole safetensors file: {e})") from None
+        if head.get("format") != FORMAT:
+            raise ContextFileError(f"{path} is not a kvmerge compressed context (made by `kvmerge compress`)")
+        if int(head.get("version", 0)) > VERSION:
+            raise ContextFileError(f"{path} is format version {head['version']}, newer than this kvmerge reads "
+                                   f"({VERSION}): upgrade kvmerge")
+        meta = json.loads(head["meta"])
+        if meta["model"] != fingerprint(model.config):
+            here = getattr(model.config, "name_or_path", "") or "this model"
+            raise ContextFileError(f"{path} was made for another model ({meta['model_name'] or 'unnamed'}, fingerprint "
+                                   f"{meta['model']}), not {here} (fingerprint {fingerprint(model.config)})")
+        if meta["tokenizer"] != tokenizer_hash(tokenizer):
+            raise ContextFileError(f"{path} was made with another tokenizer (hash {meta['tokenizer']}, this one's "
+                                   f"{tokenizer_hash(tokenizer)}): load the model's own tokenizer")
+        device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        stored = getattr(torch, meta["dtype"])
+        if stored != dtype and torch.finfo(dtype).bits < torch.finfo(stored).bits:
+            raise ContextFileError(f"{path} holds {meta['dtype']} entries and the model runs in "
+                                   f"{str(dtype).removeprefix('torch.')}, which would round them: load the model "
+                                   f"with dtype=torch.{meta['dtype']}")
+        session = Session(model, 1, get_method(meta["method"], budget=meta["budget"]), tokenizer)
+        if len(session.cache.layers) != len(meta["layers"]):
+            raise ContextFileError(f"{path} has {len(meta['layers'])} layers, the model {len(session.cache.layers)}")
+    tensors = {k: v.to(device, dtype) if v.is_floating_point() and k.rsplit(".", 1)[-1] in ("keys", "values")
+               else v.to(device) for k, v in tensors.items()}
+    for i, (layer, m) in enumerate(zip(session.cache.layers, meta.pop("layers"))):
+        _layer_in(layer, m, f"l{i}.", tensors, device)
+    for i, (state, m) in enumerate(zip(session.states, meta.pop("states"))):
+        _state_in(state, m, f"s{i}.", tensors)
+    session.seen, session.plain, session.captured = (tensors[k].cpu() for k in ("seen", "plain", "captured"))
+    ids = tensors["context_ids"].tolist() if "context_ids" in tensors else None
+    kept = [tensors[f"kept.{i}"].long().cpu() for i in range(len(session.cache.compressible))] \
+        if "kept.0" in tensors else None
+    return CompressedContext(session, tokenizer, meta, ids, kept)
+
+
+def spec_of(method) -> str:
+    """A spec that rebuilds `method`: its registered name and every parameter off its class default
+    (a method-valued parameter as `{"name": ..., **params}`)."""
+    return ":".join([method.name, *(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in _params(method).items())])
+
+
+def _params(method) -> dict:
+    from .methods import Method
+
+    out = {}
+    for f in fields(method):
+        if not f.init or f.name == "budget":
+            continue
+        value = getattr(method, f.name)
+        default = f.default if f.default is not MISSING else (
+            f.default_factory() if f.default_factory is not MISSING else MISSING)
+        if isinstance(value, Method):
+            value = {"name": value.name, **_params(value)}
+        if value != default:
+            out[f.name] = value
+    return out
+
+
+def _ids_hash(ids) -> str:
+    return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()[:16]
+
+
+# -- layers and states, out and in ----------------------------------------------------------------
+def _layer_out(layer, prefix: str, tensors: dict) -> dict:
+    meta = {"type": type(layer).__name__, "seen": layer.seen}
+    if layer.heads is not None:
+        tensors[prefix + "live"] = layer._live
+        meta["kept"] = list(layer._kept)
+        meta["heads"] = [_layer_out(head, f"{prefix}h{i}.", tensors) for i, head in enumerate(layer.heads)]
+    else:
+        for name in ("keys", "values", "log_n"):
+            if getattr(layer, name) is not None:
+                tensors[prefix + name] = getattr(layer, name)
+    if isinstance(layer, SlidingLayer):
+        meta.update(window=layer.window, held=layer.held)
+        if layer.positions is not None:
+            tensors[prefix + "positions"] = layer.positions
+    return meta
+
+
+def _layer_in(layer, meta: dict, prefix: str, tensors: dict, device) -> None:
+    if type(layer).__name__ != meta["type"] or (isinstance(layer, SlidingLayer) and layer.window != meta["window"]):
+        raise ContextFileError(f"the file's layer {prefix[1:-1]} is a {meta['type']}, the model's a {type(layer).__name__}")
+    layer.is_initialized, layer.device = True, device
+    if "heads" in meta:
+        heads = []
+        for i, m in enumerate(meta["heads"]):
+            head = MergedLayer()
+            _layer_in(head, m, f"{prefix}h{i}.", tensors, device)
+            heads.append(head)
+        layer.replace(*(torch.zeros(1, 1, 0, 1, device=device) for _ in range(2)), None, fit=True)
+        layer.heads, layer._live, layer._kept = heads, tensors[prefix + "live"], meta["kept"]
+        layer._keys = layer._values = layer._log_n = None
+        layer._length = 0
+    else:
+        layer.replace(tensors[prefix + "keys"], tensors[prefix + "values"], tensors.get(prefix + "log_n"), fit=True)
+    if isinstance(layer, SlidingLayer):
+        layer.held, layer.positions = meta["held"], tensors.get(prefix + "positions")
+    layer.seen = meta["seen"]
+
+
+def _state_out(state, prefix: str, tensors: dict, scratch: bool) -> dict:
+    meta = {"compressed_at": state.compressed_at, "scaling": state.scaling, "extra": state.extra, "scratch": {}}
+    if state.targets is not None:
+        tensors[prefix + "targets"] = state.targets
+    for key, value in (state.scratch if scratch else {}).items():
+        if isinstance(value, torch.Tensor):
+            tensors[f"{prefix}scratch.{key}"] = value
+            meta["scratch"][key] = None
+        else:
+            try:
+                meta["scratch"][key] = json.loads(json.dumps(value))
+            except TypeError:
+                raise InputError(f"this method keeps state that cannot be saved ({key}: {type(value).__name__})") from None
+    return meta
+
+
+def _state_in(state, meta: dict, prefix: str, tensors: dict) -> None:
+    state.compressed_at, state.scaling, state.extra = meta["compressed_at"], meta["scaling"], meta["extra"]
+    state.targets = tensors[prefix + "targets"].cpu() if prefix + "targets" in tensors else None
+    state.scratch = {k: tensors[f"{prefix}scratch.{k}"] if v is None else v for k, v in meta["scratch"].items()}
+
+
+class _Provenance:
+    """Which context position each kept entry is: the keys of each compressible layer's plain slots are
+    recorded before every compression of a prefill, and each entry left afterwards is matched to the
+    one it equals (a merged entry, an average, equals none)."""
+
+    def __init__(self, session: Session):
+        self.session, self.keys = session, {i: [] for i in session.cache.compressible}
+        session.before_compress = self.record
+
+    def record(self) -> None:
+        s = self.session
+        plain, seen = int(s.plain[0]), int(s.seen[0])
+        for i, keys in self.keys.items():
+            layer = s.cache.layers[i]
+            fresh = layer.kv().keys[0, :, -plain:].float().clone()
+            done = sum(k.shape[1] for k in keys)
+            keys.append(fresh[:, done - (seen - plain):] if done > seen - plain else fresh)
+
+    @torch.no_grad()
+    def kept(self) -> list[torch.Tensor] | None:
+        self.session.before_compress = None
+        if not any(self.keys.values()):
+            return None
+        out = []
+        for i, parts in self.keys.items():
+            source = torch.cat(parts, 1)  # (h, n): the context's keys in order
+            kv = self.session.cache.layers[i].kv()
+            keys, log_n = kv.keys[0].float(), kv.log_n[0]
+            dist = torch.cdist(keys, source)  # (h, slots, n)
+            near, at = dist.min(-1)
+            exact = near <= 1e-3 * source.norm(dim=-1).mean(-1, keepdim=True)
+            pos = torch.where(exact & (log_n.abs() < 1e-6), at, torch.full_like(at, -1))
+            out.append(pos.masked_fill(torch.isinf(log_n), -2).cpu())
+        return out
