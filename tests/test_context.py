@@ -1,0 +1,120 @@
+"""Compressed contexts as files: the answers from a file equal those of the same compression in
+memory (and of `generate_ids`), in this process and in a new one; files are budget-sized; every
+unusable file is refused in one line before any forward."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import kvmerge
+from kvmerge.errors import KVMergeError
+
+from .conftest import TinyTokenizer, random_ids, tiny_model
+from .test_hybrid import gemma3
+
+ONE_SHOT = ["full", "snapkv", "snapkv:alloc=head", "mixedmerge", "centroidkv:interval=4", "kvzip", "zipguardmerge",
+            "learnedzip", "streamingllm", "semanticache"]
+Q = [3, 4]
+
+
+def _context(build, spec, n=160, **kwargs):
+    model = build()
+    return model, kvmerge.compress_context(model, TinyTokenizer(), random_ids(n, seed=1), f"{spec}:window=8", 0.25,
+                                           **kwargs)
+
+
+@pytest.mark.parametrize("build", [tiny_model, gemma3])
+@pytest.mark.parametrize("spec", ONE_SHOT)
+def test_answers_from_the_file_equal_the_compression_in_memory(build, spec, tmp_path):
+    model, ctx = _context(build, spec)
+    method = kvmerge.get_method(f"{spec}:window=8", budget=0.25)
+    want = kvmerge.generate_ids(model, random_ids(160, seed=1), Q, method, max_new_tokens=8,
+                                tokenizer=TinyTokenizer()).tokens
+    assert ctx.generate_ids(Q, 8).tokens == want
+    assert ctx.generate_ids(Q, 8).tokens == want  # each question starts from the compressed context again
+    back = kvmerge.load_context(ctx.save(tmp_path / "c.kvz"), model, TinyTokenizer())
+    assert back.generate_ids(Q, 8).tokens == want
+    assert back.nbytes == ctx.nbytes and back.session.cache.entries == ctx.session.cache.entries
+
+
+def test_a_new_process_answers_the_same(tmp_path):
+    model, ctx = _context(tiny_model, "mixedmerge")
+    path = ctx.save(tmp_path / "c.kvz")
+    code = ("import json, kvmerge; from tests.conftest import TinyTokenizer, tiny_model; "
+            f"ctx = kvmerge.load_context({str(path)!r}, tiny_model(), TinyTokenizer()); "
+            f"print(json.dumps(ctx.generate_ids({Q}, 8).tokens))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ctx.generate_ids(Q, 8).tokens
+
+
+def test_the_file_is_the_budgets_bytes(tmp_path):
+    model, ctx = _context(tiny_model, "snapkv", n=2000)
+    size = ctx.save(tmp_path / "c.kvz").stat().st_size
+    ids_bytes = 8 * 2000  # the context's token ids, kept by default
+    assert ctx.nbytes <= 0.26 * ctx.meta["full_bytes"]
+    assert size - ids_bytes <= 1.1 * 0.25 * ctx.meta["full_bytes"]
+    _, hashed = _context(tiny_model, "snapkv", n=2000, keep_ids=False)
+    assert hashed.save(tmp_path / "h.kvz").stat().st_size <= 1.1 * 0.25 * ctx.meta["full_bytes"]
+
+
+def test_kept_entries_name_their_context_positions():
+    _, evicted = _context(tiny_model, "snapkv")
+    for pos in evicted.kept:  # (heads, slots): every entry a position, the sinks and the recent window among them
+        assert bool((pos >= 0).all()) and set(range(4)) | set(range(152, 160)) <= set(pos[0].tolist())
+    _, merged = _context(tiny_model, "mixedmerge")
+    assert any(bool((pos == -1).any()) for pos in merged.kept)
+
+
+def test_model_generate_on_a_loaded_context_equals_its_answer(tmp_path):
+    model, ctx = _context(tiny_model, "snapkv")
+    back = kvmerge.load_context(ctx.save(tmp_path / "c.kvz"), model, TinyTokenizer())
+    with kvmerge.compressing(model, "snapkv", budget=0.25) as kv:
+        cache = kv.prefill(back)
+        got = model.generate(torch.tensor([back.context_ids + Q]), cache=cache, max_new_tokens=8, do_sample=False)
+    assert got[0, 160 + len(Q):].tolist() == back.generate_ids(Q, 8).tokens[0]
+
+
+def _refused(path, model, match, tok=None):
+    with pytest.raises(KVMergeError, match=match):
+        kvmerge.load_context(path, model, tok or TinyTokenizer())
+
+
+def _rewrite(path, out, **meta):
+    with safe_open(str(path), "pt") as f:
+        head, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(out), metadata={**head, **meta})
+    return out
+
+
+def test_unusable_files_are_refused_in_one_line(tmp_path):
+    model, ctx = _context(tiny_model, "snapkv")
+    path = ctx.save(tmp_path / "c.kvz")
+    data = path.read_bytes()
+    (tmp_path / "cut.kvz").write_bytes(data[: len(data) // 2])
+    _refused(tmp_path / "cut.kvz", model, "cut off or corrupt")
+    (tmp_path / "junk.kvz").write_bytes(b"\x00" * 64)
+    _refused(tmp_path / "junk.kvz", model, "cut off or corrupt")
+    _refused(tmp_path / "none.kvz", model, "no compressed-context file")
+    _refused(_rewrite(path, tmp_path / "new.kvz", version="99"), model, "newer than this kvmerge reads")
+    _refused(_rewrite(path, tmp_path / "other.kvz", format="something"), model, "not a kvmerge compressed context")
+    _refused(path, tiny_model(num_hidden_layers=3), r"made for another model .*fingerprint")
+
+    class OtherTokenizer(TinyTokenizer):
+        def get_vocab(self):
+            return {"z": 0}
+    _refused(path, model, "another tokenizer", OtherTokenizer())
+    _refused(path, tiny_model(dtype=torch.bfloat16), "would round them: load the model with dtype=torch.float32")
+
+
+def test_a_lossless_dtype_is_converted_and_long_questions_are_refused(tmp_path):
+    model, ctx = _context(lambda: tiny_model(dtype=torch.bfloat16), "snapkv")
+    back = kvmerge.load_context(ctx.save(tmp_path / "c.kvz"), tiny_model(), TinyTokenizer())
+    assert back.session.cache.layers[0].keys.dtype == torch.float32
+    assert len(back.generate_ids(Q, 4).tokens[0]) == 4
+    with pytest.raises(KVMergeError, match="over the model's 4,096 positions"):
+        back.generate_ids(Q, 4000)
