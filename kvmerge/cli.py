@@ -1,4 +1,5 @@
-"""kvmerge's command line: generate, methods, demo, eval, report, bench, suites (also `python -m kvmerge`).
+"""kvmerge's command line: generate, compress, ask, inspect, methods, demo, eval, report, bench, suites,
+train-scorer (also `python -m kvmerge`).
 
 A mistake ends in one line on stderr that names the problem and the fix, with exit status 2; `--debug`
 (or KVMERGE_DEBUG=1) shows the traceback instead. Everything that can be checked without the model
@@ -169,6 +170,40 @@ def _parser() -> argparse.ArgumentParser:
                      help="prefill and compress N tokens at a time (bounded memory; not every method) (default: "
                      "none, the whole context at once)")
     gen.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+
+    comp = sub.add_parser("compress", help="compress a text file once into a .kvz file (kvmerge ask answers from it)",
+                          formatter_class=fmt, epilog=EPILOG)
+    comp.add_argument("--context", required=True, metavar="FILE", help="UTF-8 text file with the context; - reads stdin")
+    comp.add_argument("--out", required=True, metavar="FILE.kvz", help="the compressed context's file")
+    comp.add_argument("--method", default=None, metavar="SPEC", help=f"a method spec (default: {RULE}); a costly one "
+                      "pays off here, e.g. zipguardmerge")
+    comp.add_argument("--budget", type=_budget, default=0.25, metavar="B",
+                      help="what the cache keeps: a fraction of the context in (0, 1] or a whole number of entries")
+    comp.add_argument("--model", default=None, metavar="NAME", help=f"{model_help} (default: smollm2-135m)")
+    comp.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    comp.add_argument("--prefill-chunk", type=_positive, default=None, metavar="N",
+                      help="prefill and compress N tokens at a time (default: none, the whole context at once)")
+    comp.add_argument("--no-ids", action="store_true", help="store only a hash of the context's token ids (no text "
+                      "can be shown by kvmerge inspect, nor model.generate check its input)")
+    comp.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+
+    ask = sub.add_parser("ask", help="answer questions from a .kvz file, streaming the answers",
+                         formatter_class=fmt, epilog=EPILOG)
+    ask.add_argument("file", metavar="FILE.kvz", help="a compressed context (kvmerge compress)")
+    ask.add_argument("--question", action="append", required=True, metavar="TEXT",
+                     help="a question (repeat for several; - reads one per line from stdin)")
+    ask.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="the longest answer, in tokens")
+    ask.add_argument("--model", default=None, metavar="NAME", help=f"{model_help} (default: the model the file names)")
+    ask.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+
+    insp = sub.add_parser("inspect", help="what a .kvz file holds and which parts of the text it kept",
+                          formatter_class=fmt, epilog=EPILOG)
+    insp.add_argument("file", metavar="FILE.kvz", help="a compressed context (kvmerge compress)")
+    insp.add_argument("--html", default=None, metavar="FILE", help="also write the shaded text as a page")
+    insp.add_argument("--png", default=None, metavar="FILE", help="also write a per-layer heatmap")
+    insp.add_argument("--color", action="store_true", help="shade the text even when stdout is not a terminal")
+    insp.add_argument("--no-text", action="store_true", help="the summary only")
+    insp.add_argument("--model", default=None, metavar="NAME", help=f"{model_help} (default: the model the file names)")
 
     meth = sub.add_parser("methods", help="the methods: what each does, its cost, where it runs",
                           formatter_class=fmt, epilog=EPILOG)

@@ -10,6 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from .context_commands import ask, compress, inspect  # noqa: F401 - `kvmerge compress`, `ask`, `inspect`
 from .errors import InputError, UnknownNameError, UnsupportedError, suggest
 from .spec import parse_spec
 

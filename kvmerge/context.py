@@ -172,18 +172,12 @@ def load_context(path, model, tokenizer) -> CompressedContext:
 
     path = Path(path)
     with refusing():
-        if not path.is_file():
-            raise InputError(f"no compressed-context file {str(path)!r}")
+        head = check_file(path)
         try:
             with safe_open(str(path), "pt") as f:
-                head, tensors = f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise ContextFileError(f"{path} is cut off or corrupt (not a whole safetensors file: {e})") from None
-        if head.get("format") != FORMAT:
-            raise ContextFileError(f"{path} is not a kvmerge compressed context (made by `kvmerge compress`)")
-        if int(head.get("version", 0)) > VERSION:
-            raise ContextFileError(f"{path} is format version {head['version']}, newer than this kvmerge reads "
-                                   f"({VERSION}): upgrade kvmerge")
         meta = json.loads(head["meta"])
         if meta["model"] != fingerprint(model.config):
             here = getattr(model.config, "name_or_path", "") or "this model"
@@ -212,6 +206,27 @@ def load_context(path, model, tokenizer) -> CompressedContext:
     kept = [tensors[f"kept.{i}"].long().cpu() for i in range(len(session.cache.compressible))] \
         if "kept.0" in tensors else None
     return CompressedContext(session, tokenizer, meta, ids, kept)
+
+
+def check_file(path) -> dict:
+    """The metadata of a compressed-context file, read without its tensors; a `ContextFileError` when
+    it is missing, not a whole safetensors file, not a kvmerge context or of a newer format."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"no compressed-context file {str(path)!r} (kvmerge compress --out writes one)")
+    try:
+        with safe_open(str(path), "pt") as f:
+            head = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ContextFileError(f"{path} is cut off or corrupt (not a whole safetensors file: {e})") from None
+    if head.get("format") != FORMAT:
+        raise ContextFileError(f"{path} is not a kvmerge compressed context (made by `kvmerge compress`)")
+    if int(head.get("version", 0)) > VERSION:
+        raise ContextFileError(f"{path} is format version {head['version']}, newer than this kvmerge reads "
+                               f"({VERSION}): upgrade kvmerge")
+    return head
 
 
 def spec_of(method) -> str:

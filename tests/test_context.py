@@ -28,8 +28,10 @@ def _context(build, spec, n=160, **kwargs):
                                            **kwargs)
 
 
-@pytest.mark.parametrize("build", [tiny_model, gemma3])
-@pytest.mark.parametrize("spec", ONE_SHOT)
+HYBRID = ["snapkv", "snapkv:alloc=head", "mixedmerge", "zipguardmerge"]
+
+
+@pytest.mark.parametrize("build, spec", [(tiny_model, s) for s in ONE_SHOT] + [(gemma3, s) for s in HYBRID])
 def test_answers_from_the_file_equal_the_compression_in_memory(build, spec, tmp_path):
     model, ctx = _context(build, spec)
     method = kvmerge.get_method(f"{spec}:window=8", budget=0.25)
@@ -118,3 +120,40 @@ def test_a_lossless_dtype_is_converted_and_long_questions_are_refused(tmp_path):
     assert len(back.generate_ids(Q, 4).tokens[0]) == 4
     with pytest.raises(KVMergeError, match="over the model's 4,096 positions"):
         back.generate_ids(Q, 4000)
+
+
+def test_the_commands_refuse_bad_files_before_any_model_loads(capsys, tmp_path, monkeypatch):
+    from kvmerge import model as model_module
+
+    from .test_cli import fails
+
+    monkeypatch.setattr(model_module, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    (tmp_path / "junk.kvz").write_bytes(b"\x00" * 64)
+    (tmp_path / "ctx.txt").write_text("Some text.")
+    fails(capsys, ["ask", str(tmp_path / "none.kvz"), "--question", "Why?"], "no compressed-context file")
+    fails(capsys, ["ask", str(tmp_path / "junk.kvz"), "--question", "Why?"], "cut off or corrupt")
+    fails(capsys, ["inspect", str(tmp_path / "junk.kvz")], "cut off or corrupt")
+    fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", str(tmp_path)], "is a folder")
+    fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", "x.kvz", "--method", "snapkv:nope=1"],
+          "nope")
+
+
+@pytest.mark.ci_slow
+def test_compress_ask_and_inspect_on_the_bundled_model(capsys, tmp_path):
+    from kvmerge.cli import main
+
+    text = "The library opens at nine. The code of the back door is 4721. Visitors sign the book. " * 8
+    (tmp_path / "ctx.txt").write_text(text)
+    out = tmp_path / "c.kvz"
+    assert main(["compress", "--context", str(tmp_path / "ctx.txt"), "--out", str(out), "--method", "snapkv",
+                 "--no-progress"]) == 0
+    assert "of the full cache" in capsys.readouterr().err and out.is_file()
+    assert main(["ask", str(out), "--question", "What is the code of the back door?", "--max-new-tokens", "12"]) == 0
+    answered = capsys.readouterr()
+    model, tok = kvmerge.load_model()
+    want = kvmerge.generate(model, tok, text, "What is the code of the back door?", "snapkv", max_new_tokens=12)
+    assert want.text in answered.out
+    assert main(["inspect", str(out), "--png", str(tmp_path / "k.png"), "--html", str(tmp_path / "k.html")]) == 0
+    shown = capsys.readouterr().out
+    assert "method snapkv at budget 0.25" in shown and "door" in shown
+    assert (tmp_path / "k.png").stat().st_size > 1000 and "<span" in (tmp_path / "k.html").read_text()

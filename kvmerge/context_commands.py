@@ -1,0 +1,121 @@
+"""`kvmerge compress`, `kvmerge ask` and `kvmerge inspect`: a compressed context as a file."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from .errors import InputError
+
+
+def _file(name: str) -> tuple[Path, dict]:
+    """The file and its metadata, checked before any model loads."""
+    import json
+
+    from .context import check_file
+
+    path = Path(name).expanduser()
+    return path, json.loads(check_file(path)["meta"])
+
+
+def _model_of(args, meta: dict | None = None):
+    """The model to load: --model, else the one the file names when it is a bundled name or a folder."""
+    from .commands import device, model_name
+
+    name = args.model
+    made_with = (meta or {}).get("model_name") or None
+    if name is None and made_with:
+        from .model import BUNDLED
+
+        bundled = next((b for b in BUNDLED if Path(made_with).name == b), None)
+        name = bundled or (made_with if Path(made_with).exists() else None)
+    model_name(name)
+    device(getattr(args, "device", None))
+    from .model import load_model
+
+    return load_model(name, device=getattr(args, "device", None))
+
+
+def compress(args) -> int:
+    from .commands import method, read_text, runs_here
+
+    text = read_text(args.context)
+    out = Path(args.out).expanduser()
+    if out.is_dir():
+        raise InputError(f"--out {args.out} is a folder: give a file name, e.g. doc.kvz")
+    if not out.parent.exists():
+        raise InputError(f"--out {args.out}: no folder {str(out.parent)!r}")
+    m = None
+    if args.method is not None:
+        m = method(args.method, args.budget, args.prefill_chunk)
+        runs_here(m, args.model, args.prefill_chunk, len(text))
+    model, tok = _model_of(args)
+    from .context import compress_context
+    from .defaults import default_method
+    from .progress import ProgressBars
+
+    if m is None:
+        m = method(default_method(model), args.budget, args.prefill_chunk)
+    start = time.perf_counter()
+    ctx = compress_context(model, tok, text, m, keep_ids=not args.no_ids, prefill_chunk=args.prefill_chunk,
+                           progress=None if args.no_progress else ProgressBars())
+    ctx.meta["method"] = args.method or ctx.meta["method"]
+    size = ctx.save(out).stat().st_size
+    entries = [ctx.session.cache.layers[i].entries for i in ctx.session.cache.compressible]
+    print(f"[{ctx.tokens:,} tokens → {sum(entries) / len(entries):.0f} entries per compressed layer and head; "
+          f"{ctx.nbytes / 2**20:.2f} MiB, {ctx.nbytes / ctx.meta['full_bytes']:.1%} of the full cache; "
+          f"file {size / 2**20:.2f} MiB; {time.perf_counter() - start:.1f} s] → {out}", file=sys.stderr)
+    return 0
+
+
+def ask(args) -> int:
+    path, meta = _file(args.file)
+    questions = list(args.question)
+    if questions == ["-"]:
+        questions = [line.strip() for line in sys.stdin if line.strip()]
+    if not questions or not all(q.strip() for q in questions):
+        raise InputError("--question is empty: ask something (or --question - to read one question per line)")
+    model, tok = _model_of(args, meta)
+    from transformers import TextStreamer
+
+    from .context import load_context
+    from .generate import generate
+
+    start = time.perf_counter()
+    ctx = load_context(path, model, tok)
+    loaded = time.perf_counter() - start
+    for q in questions:
+        if len(questions) > 1:
+            print(f"Q: {q}\nA: ", end="", flush=True)
+        out = generate(model, tok, ctx, q, max_new_tokens=args.max_new_tokens,
+                       streamer=TextStreamer(tok, skip_special_tokens=True))
+        print(f"[{out.stats['method']}: {ctx.tokens:,} context tokens; loaded in {loaded * 1e3:.0f} ms; "
+              f"answered in {out.stats['decode_seconds']:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def inspect(args) -> int:
+    path, meta = _file(args.file)
+    model, tok = _model_of(args, meta)
+    from . import context_view
+    from .context import load_context
+
+    ctx = load_context(path, model, tok)
+    print(context_view.summary(ctx, path.stat().st_size))
+    if ctx.kept is None:
+        print("(the file kept only its token ids' hash: no text to show)")
+        return 0
+    if args.png:
+        context_view.heatmap(ctx, args.png)
+        print(f"wrote {args.png}", file=sys.stderr)
+    if args.html:
+        png = None
+        if args.png:
+            png = str(Path(args.png).resolve())
+        Path(args.html).write_text(context_view.page(ctx, png), encoding="utf-8")
+        print(f"wrote {args.html}", file=sys.stderr)
+    if not args.no_text:
+        print()
+        print(context_view.terminal(ctx, color=sys.stdout.isatty() or args.color))
+    return 0
