@@ -68,6 +68,11 @@ def settings_of(additional_config) -> Settings | None:
     budget = raw.get("budget")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))):
         raise ValueError(f"kvmerge: budget must be a float in (0, 1] or an int number of entries, got {budget!r}")
+    if isinstance(budget, float) and not 0 < budget <= 1:
+        raise ValueError(f"kvmerge: budget fraction must be in (0, 1], got {budget!r}")
+    if isinstance(budget, int) and budget <= 0:
+        raise ValueError(f"kvmerge: budget must be a float in (0, 1] (the fraction of each prompt's entries kept) or "
+                         f"an int > 0 (the entries kept), got {budget!r}")
     return Settings(raw["method"], budget, tuple(imports))
 
 

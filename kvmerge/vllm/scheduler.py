@@ -27,7 +27,8 @@ class KvmergeScheduler(Scheduler):
     request (the latest `STATS_KEPT`), its last layout, the blocks it held (non-null) right after the
     release, the pool's usage then, and how many times it was compressed (more than once when vLLM
     preempted and recomputed it); `kvmerge_peak_running`: the most requests running at once;
-    `kvmerge_peak_prompts`: the most prompts compressed in one step."""
+    `kvmerge_peak_prompts`: the most prompts compressed in one step; `kvmerge_idle`: the pool's free
+    blocks when the last request left (also logged: "kvmerge: idle: F of T KV blocks free, H held")."""
 
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
@@ -41,6 +42,29 @@ class KvmergeScheduler(Scheduler):
         self.kvmerge_stats: dict[str, dict] = {}
         self.kvmerge_peak_running = 0
         self.kvmerge_peak_prompts = 0
+        self.kvmerge_idle: dict | None = None  # the pool when the scheduler last ran out of requests
+        self.kvmerge_busy = False
+
+    def add_request(self, request) -> None:
+        super().add_request(request)
+        self.kvmerge_busy = True
+
+    def finish_requests(self, request_ids, finished_status):
+        """vLLM's finish from outside a step (a client's abort), then the idle check."""
+        out = super().finish_requests(request_ids, finished_status)
+        self.kvmerge_check_idle()
+        return out
+
+    def kvmerge_check_idle(self) -> None:
+        """When the last request has left (finished or aborted), log the pool's free blocks once: with no
+        request left every block but the pool's null block must be free, so `held` is the blocks leaked."""
+        if not self.kvmerge_busy or self.requests:
+            return
+        self.kvmerge_busy = False
+        pool = self.kv_cache_manager.block_pool
+        free, total = pool.get_num_free_blocks(), pool.num_gpu_blocks - 1  # the null block is never free
+        self.kvmerge_idle = {"free": free, "total": total, "held": total - free}
+        logger.info("kvmerge: idle: %d of %d KV blocks free, %d held", free, total, total - free)
 
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
@@ -74,4 +98,5 @@ class KvmergeScheduler(Scheduler):
             if len(self.kvmerge_stats) > STATS_KEPT:
                 self.kvmerge_stats.pop(next(iter(self.kvmerge_stats)))
         self.kvmerge_peak_prompts = max(self.kvmerge_peak_prompts, prompts)
+        self.kvmerge_check_idle()
         return out
