@@ -1,5 +1,6 @@
-"""The default method, defined once: what `kvmerge generate` without `--method`, `kvmerge.compressing(model)`
-without a method and the vLLM plugin without a "method" setting compress with.
+"""The default method, defined once: what `kvmerge generate` without `--method`, `kvmerge.generate`,
+`generate_ids`, `answer_questions`, `answer_questions_ids`, `compress_context` and `kvmerge.compressing(model)`
+without a method, and the vLLM plugin without a "method" setting compress with ("full" keeps the whole cache).
 
 `learnedzip` where learned-scorer weights for the model are found (by its fingerprint, as
 `kvmerge.scorer.find` looks: trained here, in `$KVMERGE_SCORERS`, or shipped for the bundled SmolLM2

@@ -69,7 +69,7 @@ class Sampling:
 
 
 @torch.inference_mode()
-def generate_ids(model, context_ids, question_ids, method: Method | None = None, max_new_tokens: int = 32,
+def generate_ids(model, context_ids, question_ids, method: Method | str | None = None, max_new_tokens: int = 32,
                  protocol: str = "agnostic", eos_token_id=None, tokenizer=None,
                  sampling: Sampling | None = None, streamer=None, stop=None,
                  prefill_chunk: int | None = None, progress=None) -> GenerationOutput:
@@ -78,11 +78,16 @@ def generate_ids(model, context_ids, question_ids, method: Method | None = None,
     token of a single row; `stop(row_tokens) -> bool` ends a row early; `eos_token_id`: an id or ids
     that end a row. `prefill_chunk`: prefill and compress that many tokens at a time (bounded memory;
     see `Session.prefill`). `progress`: None (quiet), True (bars on stderr for steps over 2 s) or
-    `progress(phase, done, total)`. Every check runs before the first forward pass."""
+    `progress(phase, done, total)`. `method`: None compresses with the default for this model
+    (`kvmerge.defaults.default_method`: learnedzip where it has learned-scorer weights, else mixedmerge,
+    which needs `tokenizer`); `get_method("full")` keeps the whole cache. Every check runs before the
+    first forward pass."""
     with refusing():
-        method = method or get_method("full")
+        method, default = _resolve(model, method)
         contexts, questions, window = _validate(model, context_ids, question_ids, protocol, max_new_tokens, method,
                                                 prefill_chunk)
+        if default:
+            _check_tokenizer(method, tokenizer)
         if streamer is not None and len(contexts) > 1:
             raise InputError("a streamer takes a single row")
         session = Session(model, len(contexts), method, tokenizer)
@@ -105,7 +110,8 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
     """Several questions (a list of str) about one `context` (a str), question-agnostic: the context
     is prefilled and compressed once, and each question decodes from that same compressed cache,
     as `generate` would answer it alone (chat template applied; each answer stops at the end of its
-    turn). One `GenerationOutput` per question, `.text` set.
+    turn). One `GenerationOutput` per question, `.text` set. `method`: a `Method`, a name or a spec;
+    None: the default for this model (`kvmerge.defaults.default_method`); "full" keeps the whole cache.
 
     Token ids in the tokenizer's place, `answer_questions(model, context_ids, question_ids, method)`,
     run `answer_questions_ids`."""
@@ -145,17 +151,19 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
 
 
 @torch.inference_mode()
-def answer_questions_ids(model, context_ids: list[int], questions: list[list[int]], method: Method | None = None,
+def answer_questions_ids(model, context_ids: list[int], questions: list[list[int]], method: Method | str | None = None,
                          max_new_tokens: int = 32, eos_token_id=None, tokenizer=None,
                          progress=None) -> list[GenerationOutput]:
     """`answer_questions` from token ids: one context row, one row of ids per question; `.text` is
-    decoded when `tokenizer` is given."""
+    decoded when `tokenizer` is given. `method` None: the default for this model, as in `generate_ids`."""
     with refusing():
-        method = method or get_method("full")
+        method, default = _resolve(model, method)
         if not isinstance(questions, (list, tuple)) or not questions:
             raise InputError("questions must be a non-empty list of token-id rows")
         for q in questions:
             _validate(model, [context_ids], [q], "agnostic", max_new_tokens, method)
+        if default:
+            _check_tokenizer(method, tokenizer)
         session = Session(model, 1, method, tokenizer)
     report = bars_for(progress)
     try:
@@ -186,7 +194,11 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
     default; `temperature` > 0 samples (with `top_k`, `top_p`, `seed`). Each row stops at the end of
     its turn (the tokenizer's eos and, with a chat template, its end-of-turn token) or after the first
     of the `stop` strings (cut from the text); `streamer` gets a single row's tokens as they come (e.g.
-    `transformers.TextStreamer(tokenizer)`); `prefill_chunk`, `progress`: see `generate_ids`."""
+    `transformers.TextStreamer(tokenizer)`); `prefill_chunk`, `progress`: see `generate_ids`.
+
+    `method`: a `Method`, a name or a spec (`"snapkv:window=8"`); None compresses with the default for
+    this model (`kvmerge.defaults.default_method`: learnedzip where the model has learned-scorer
+    weights, else mixedmerge), at that method's default budget; "full" keeps the whole cache."""
     if _is_compressed(context):
         with refusing():
             if not isinstance(question, str):
@@ -292,6 +304,24 @@ def split_prompt(tokenizer, context: str, question: str, chat_template: bool = T
 
 
 # -- the steps ---------------------------------------------------------------------------------
+def _resolve(model, method) -> tuple[Method, bool]:
+    """(the method to run, whether it is the default): None → `default_method(model)`, built; a name
+    or spec → built; a `Method` as it is (`_validate` refuses anything else)."""
+    if method is None:
+        from .defaults import default_method
+
+        return get_method(default_method(model)), True
+    return (get_method(method) if isinstance(method, str) else method), False
+
+
+def _check_tokenizer(method, tokenizer) -> None:
+    """The default method may read sentence ends (mixedmerge): refused in one line without a tokenizer."""
+    if method.needs.tokenizer and tokenizer is None:
+        name = getattr(method, "preset", None) or method.name
+        raise InputError(f"the default method for this model, {name}, needs the model's tokenizer (sentence ends, its "
+                         f"chat template): pass tokenizer=tok, or a method (get_method('full') keeps the whole cache)")
+
+
 def _as_rows(x, what: str) -> list[list[int]]:
     if isinstance(x, torch.Tensor):
         x = x.tolist() if x.dim() == 2 else [x.tolist()]

@@ -9,6 +9,7 @@ import torch
 
 import kvmerge
 import kvmerge.defaults
+from kvmerge.errors import InputError
 from kvmerge.defaults import default_method
 
 from .conftest import TinyTokenizer, random_ids, tiny_model
@@ -102,3 +103,47 @@ def test_compressing_refuses_a_method_that_needs_the_tokenizer_without_one():
                        r"template\): pass tokenizer=tok to kvmerge.compressing$"):
         with kvmerge.compressing(no_weights()):
             pass
+
+
+class CharTokenizer(TinyTokenizer):
+    """TinyTokenizer for text: one id per character, with offsets (what split_prompt reads) and decode."""
+
+    eos_token_id = 2
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+        out = super().__call__(text)
+        if return_offsets_mapping:
+            out["offset_mapping"] = [(i, i + 1) for i in range(len(text))]
+        return out
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_generate_and_answer_questions_without_a_method_compress_with_the_default():
+    """None is the default for the model (not the full cache): mixedmerge on a model without weights,
+    learnedzip on one with them, each at its default budget; "full" keeps everything."""
+    tok, ctx, q = CharTokenizer(), "The door code is 4721. The library opens at nine. " * 8, "Code?"
+    for model, name in ((no_weights(), "mixedmerge"), (tiny_model(), "learnedzip")):
+        out = kvmerge.generate(model, tok, ctx, q, max_new_tokens=4)
+        want = kvmerge.generate(model, tok, ctx, q, kvmerge.get_method(name), max_new_tokens=4)
+        assert out.stats["method"] == name and out.stats["budget"] == 0.25 and out.tokens == want.tokens
+        full = kvmerge.generate(model, tok, ctx, q, "full", max_new_tokens=4)
+        assert out.stats["cache_entries"] < full.stats["cache_entries"]
+        (answer,) = kvmerge.answer_questions(model, tok, ctx, [q], max_new_tokens=4)
+        assert answer.stats["method"] == name and answer.tokens == want.tokens
+        ids = kvmerge.split_prompt(tok, ctx, q)
+        assert kvmerge.generate_ids(model, *ids, max_new_tokens=4, tokenizer=tok).stats["method"] == name
+        assert kvmerge.answer_questions_ids(model, ids[0], [ids[1]], tokenizer=tok)[0].stats["method"] == name
+
+
+def test_the_default_that_reads_sentence_ends_is_refused_without_a_tokenizer_in_one_line():
+    ctx = random_ids(200, seed=3)
+    with pytest.raises(InputError, match=r"^the default method for this model, mixedmerge, needs the model's "
+                       r"tokenizer .*: pass tokenizer=tok, or a method \(get_method\('full'\) keeps the whole cache\)$"):
+        kvmerge.generate_ids(no_weights(), ctx, [3, 4])
+    with pytest.raises(InputError, match="the default method for this model, mixedmerge"):
+        kvmerge.answer_questions_ids(no_weights(), ctx, [[3, 4]])
+    full = kvmerge.generate_ids(no_weights(), ctx, [3, 4], "full", max_new_tokens=2)  # a name works too
+    assert full.stats["method"] == "full"

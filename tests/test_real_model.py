@@ -28,7 +28,7 @@ def test_full_cache_answers_a_needle_and_matches_model_generate(smol):
 
     model, tok = smol
     s = make_sample(tok, 512, depth=0.5, seed=3)
-    out = kvmerge.generate(model, tok, s.context, s.question, max_new_tokens=20)
+    out = kvmerge.generate(model, tok, s.context, s.question, "full", max_new_tokens=20)
     assert score(out.text, s.answer) == 1.0
     ctx, q = kvmerge.split_prompt(tok, s.context, s.question)
     ref = model.generate(torch.tensor([ctx + q]), max_new_tokens=20, do_sample=False)[0, len(ctx + q):]
@@ -42,7 +42,7 @@ def test_full_cache_finds_needles(smol, length):
 
     model, tok = smol
     samples = [make_sample(tok, length, depth=d, seed=i) for i, d in enumerate([0.1, 0.5, 0.9])]
-    hits = sum(score(kvmerge.generate(model, tok, s.context, s.question, max_new_tokens=20).text, s.answer)
+    hits = sum(score(kvmerge.generate(model, tok, s.context, s.question, "full", max_new_tokens=20).text, s.answer)
                for s in samples)
     assert hits == 3
 

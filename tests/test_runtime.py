@@ -25,7 +25,7 @@ def test_noop_compression_equals_stock_model(arch):
 def test_full_method_reproduces_model_generate(llama):
     ids = random_ids(60, seed=1)
     ref = llama.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, 60:].tolist()
-    out = kvmerge.generate_ids(llama, ids[:45], ids[45:], max_new_tokens=12)
+    out = kvmerge.generate_ids(llama, ids[:45], ids[45:], "full", max_new_tokens=12)
     assert out.tokens[0] == ref
 
 

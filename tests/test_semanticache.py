@@ -160,7 +160,7 @@ def test_budget_met_in_bytes_on_a_model():
 def test_tau_above_one_equals_full_cache():
     model = tiny_model()
     ids, q = random_ids(120, seed=3), random_ids(6, seed=4)
-    full = kvmerge.generate_ids(model, ids, q, max_new_tokens=12)
+    full = kvmerge.generate_ids(model, ids, q, kvmerge.get_method("full"), max_new_tokens=12)
     m = kvmerge.get_method("semanticache", budget=1.0, tau=1.01, chunking="fixed")
     got = kvmerge.generate_ids(model, ids, q, m, max_new_tokens=12)
     assert got.tokens == full.tokens and got.stats["cache_entries"] == full.stats["cache_entries"]
