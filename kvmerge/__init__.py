@@ -22,7 +22,7 @@ _WHERE = {  # public name → the submodule that defines it
     "kvmerge_attention": "attention", "MergedCache": "cache", "MergedLayer": "cache",
     "Compressor": "compressing", "compressing": "compressing", "default_method": "defaults",
     "GenerationOutput": "generate", "Sampling": "generate", "Stats": "stats", "answer_questions": "generate",
-    "answer_questions_ids": "generate",
+    "answer_questions_ids": "generate", "answer_contexts": "generate",
     "generate": "generate", "generate_ids": "generate", "split_prompt": "generate",
     "LayerContext": "methods", "LayerState": "methods", "Method": "methods", "Needs": "methods",
     "ScoringMethod": "methods", "available_methods": "methods", "get_method": "methods",

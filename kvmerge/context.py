@@ -109,6 +109,42 @@ class CompressedContext:
         return self.rewind().cache.nbytes
 
 
+def batch(contexts: list[CompressedContext]) -> Session:
+    """One session holding several compressed contexts of one model and method as the rows of a
+    batch (each row keeps its own entries and positions; shorter rows get empty slots), for
+    `kvmerge.answer_contexts`."""
+    from .layer import stack_rows
+
+    first = contexts[0]
+    with refusing():
+        if len({c.meta["model"] for c in contexts}) > 1 or len({c.meta["method"] for c in contexts}) > 1:
+            raise InputError("contexts answered in one batch must come from one model and one method spec; got "
+                             + ", ".join(sorted({f"{c.meta['method']} ({c.meta['model']})" for c in contexts})))
+        if any(c.model is not first.model for c in contexts):
+            raise InputError("contexts answered in one batch must be loaded for the same model object")
+    session = Session(first.model, len(contexts), first.session.method, first.tokenizer)
+    rows = [c.rewind() for c in contexts]
+    for i, layer in enumerate(session.cache.layers):
+        parts = [row.cache.layers[i].kv() for row in rows]
+        layer.is_initialized, layer.device = True, parts[0].keys.device
+        layer.replace(*stack_rows(parts), fit=True)
+        layer.seen = max(row.cache.layers[i].seen for row in rows)
+        if isinstance(layer, SlidingLayer):
+            width = layer.keys.shape[2]
+            layer.positions = torch.cat([torch.nn.functional.pad(row.cache.layers[i].positions, (0, width - p.slots),
+                                                                 value=-(2 ** 40)) for row, p in zip(rows, parts)])
+        elif not session.method.needs.decode_policy:
+            layer.compact()
+    for name in ("seen", "plain", "captured"):
+        setattr(session, name, torch.cat([getattr(row, name) for row in rows]))
+    for i, state in enumerate(session.states):
+        targets = [row.states[i].targets for row in rows]
+        state.targets = None if targets[0] is None else torch.cat(targets)
+        state.compressed_at, state.scaling, state.extra = (getattr(rows[0].states[i], k)
+                                                           for k in ("compressed_at", "scaling", "extra"))
+    return session
+
+
 def tokenizer_hash(tokenizer) -> str:
     """What identifies a tokenizer's ids: its vocabulary and chat template (12 hex)."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}

@@ -269,6 +269,32 @@ def from_context(context, question_ids: list[int], max_new_tokens: int = 32, eos
         getattr(report, "close", lambda: None)()
 
 
+@torch.inference_mode()
+def answer_contexts(model, tokenizer, contexts, questions, max_new_tokens: int = 32, eos_token_id=None,
+                    progress=None) -> GenerationOutput:
+    """One question (a str) per compressed context (`kvmerge.compress_context` or `load_context`),
+    answered in one ragged batch; `.text` one str per row. The contexts come from one model and method."""
+    from .context import batch
+
+    with refusing():
+        if isinstance(questions, str) or len(questions) != len(contexts) or not contexts:
+            raise InputError(f"answer_contexts takes one question per context: {len(contexts)} contexts, "
+                             f"{1 if isinstance(questions, str) else len(questions)} questions")
+        if not all(_is_compressed(c) for c in contexts):
+            raise ParameterTypeError("answer_contexts takes compressed contexts (kvmerge.compress_context, load_context)")
+        rows = [c.question_ids(q) for c, q in zip(contexts, questions)]
+        for c, q in zip(contexts, rows):
+            _validate(model, [[0] * c.tokens], [q], "agnostic", max_new_tokens, c.session.method)
+    session = batch(contexts)
+    session.reserve(max(map(len, rows)) + max_new_tokens)
+    stats = {**cache_stats(session, [[0] * c.tokens for c in contexts], "agnostic")}
+    ends = end_ids(tokenizer, contexts[0].meta["chat_template"]) if eos_token_id is None else eos_token_id
+    logits = session.forward(rows, decoding=False)
+    out = decode(session, logits, stats, max_new_tokens, ends, progress=bars_for(progress))
+    out.text = [tokenizer.decode(t, skip_special_tokens=True).strip() for t in out.tokens]
+    return out
+
+
 def end_ids(tokenizer, chat_template: bool = True) -> list[int]:
     """The ids that end an answer: the tokenizer's eos and, when its chat template is used, the
     template's end-of-turn token (`<|im_end|>`, `<end_of_turn>`, ...) where the vocabulary has one."""

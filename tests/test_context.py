@@ -157,3 +157,22 @@ def test_compress_ask_and_inspect_on_the_bundled_model(capsys, tmp_path):
     shown = capsys.readouterr().out
     assert "method snapkv at budget 0.25" in shown and "door" in shown
     assert (tmp_path / "k.png").stat().st_size > 1000 and "<span" in (tmp_path / "k.html").read_text()
+
+
+@pytest.mark.parametrize("build, spec", [(tiny_model, "snapkv:alloc=head"), (tiny_model, "centroidkv:interval=4"),
+                                         (gemma3, "mixedmerge")])
+def test_contexts_of_different_lengths_answer_in_one_batch_as_alone(build, spec):
+    from kvmerge.context import batch
+    from kvmerge.generate import decode
+
+    model = build()
+    contexts = [kvmerge.compress_context(model, TinyTokenizer(), random_ids(n, seed=n), f"{spec}:window=8", 0.25)
+                for n in (160, 100, 60)]
+    alone = [c.generate_ids(Q, 6).tokens[0] for c in contexts]
+    session = batch(contexts)
+    with torch.no_grad():
+        out = decode(session, session.forward([Q] * 3, decoding=False), {}, 6)
+    assert out.tokens == alone
+    other = kvmerge.compress_context(model, TinyTokenizer(), random_ids(100), "snapkv:window=8", 0.5)
+    with pytest.raises(KVMergeError, match="one model and one method spec"):
+        batch([contexts[0], other])
