@@ -1,8 +1,8 @@
 """Where a method's KL comes from, layer by layer: compress the context, then put every compressed layer
 but one back from the full cache and teacher-force the continuation (the `fidelity` task's texts):
 
-    .venv/bin/python benchmarks/kl_by_layer.py gemma3-270m --text docs --methods guardmerge,expectmerge
-    .venv/bin/python benchmarks/kl_by_layer.py gemma3-270m --text code --budget 0.1 --methods guardmerge
+    .venv/bin/python benchmarks/kl_by_layer.py gemma3-270m --text docs --methods zipguardmerge,mixedmerge
+    .venv/bin/python benchmarks/kl_by_layer.py gemma3-270m --text code --budget 0.1 --methods zipguardmerge
 
 Per text and method: KL(full ‖ method) per token with every layer compressed, then with only each
 compressed layer compressed (the others full), and each layer's slots per KV head (its widest head's).
@@ -22,7 +22,7 @@ def main():
     p.add_argument("model")
     p.add_argument("--text", default="docs", help="the fidelity genre (docs, code, dialogue, legal, table)")
     p.add_argument("--budget", type=float, default=0.25)
-    p.add_argument("--methods", default="guardmerge,expectmerge", help="method specs, comma-separated")
+    p.add_argument("--methods", default="zipguardmerge,mixedmerge", help="method specs, comma-separated")
     p.add_argument("--texts", type=int, default=3, help="the fidelity task's first texts (its seeds)")
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--max-layers", type=int, default=6)

@@ -70,7 +70,7 @@ ROWS = [
      "columns included, padding not counted)"),
     ("StreamingLLMPress(n_sink=4)", "streamingllm", "streamingllm",
      "none: 4 sinks + the most recent tokens in both"),
-    ("ExpectedAttentionPress()", "expected_attention", "expected_attention:window=0",
+    ("ExpectedAttentionPress()", "expectedattention", "expectedattention:window=0",
      "kvmerge also protects a 32-token recent window; kvpress protects only its n_sink=4 (window=0 aligns). "
      "Aligned: identical (kvmerge recovers pre-RoPE queries by undoing RoPE on the captured ones, kvpress "
      "recomputes them from hidden states: the rounding flips no pick here)"),
@@ -88,6 +88,8 @@ ROWS = [
      "as Expected Attention: kvmerge protects a 32-token window (window=0 aligns); aligned, the merged "
      "values' digest is compared too (see below)"),
 ]
+# the presses' keys in kvpress_kept.json (tests/fixtures/kvpress/kept.json): "expected_attention" is kvpress's
+# spelling of its press, kept so the stored fixture reads as written
 PRESS_KEYS = ["snapkv", "streamingllm", "expected_attention", "keydiff", "kvzip", "kvzip_prefix_scored",
               "mergingpress"]
 

@@ -201,13 +201,14 @@ def run(args) -> None:
                           file=sys.stderr)
 
 
-TWINS = {"no_press": "full", "snapkv": "snapkv", "expected_attention": "expected_attention:alloc=adakv:floor=0.2:epsilon=0.01",
-         "expected_attention_uniform": "expected_attention", "keydiff": "keydiff", "streaming_llm": "streamingllm",
+# keys: press names as kvpress spells them (PRESS_NAMES); values: kvmerge method specs
+TWINS = {"no_press": "full", "snapkv": "snapkv", "expected_attention": "expectedattention:alloc=adakv:floor=0.2:epsilon=0.01",
+         "expected_attention_uniform": "expectedattention", "keydiff": "keydiff", "streaming_llm": "streamingllm",
          "kvzip": "kvzip", "kvzip_plus": "kvzip:plus=true", "merging_expected_attention": "mergingpress"}
 # the twins with kvpress's own parameters, as benchmarks/kvpress_crosscheck.py aligns them (docs/methods.md)
 ALIGNED = {"snapkv": "snapkv:obs_window=64:kernel=5:window=64:sinks=0", "kvzip": "kvzip:alloc=head:window=0",
-           "expected_attention": "expected_attention:alloc=adakv:floor=0.2:epsilon=0.01:window=0",
-           "expected_attention_uniform": "expected_attention:window=0", "keydiff": "keydiff:sinks=0:window=0",
+           "expected_attention": "expectedattention:alloc=adakv:floor=0.2:epsilon=0.01:window=0",
+           "expected_attention_uniform": "expectedattention:window=0", "keydiff": "keydiff:sinks=0:window=0",
            "merging_expected_attention": "mergingpress:window=0"}
 
 

@@ -1,6 +1,6 @@
 """NIAH through the vLLM plugin against kvmerge's transformers runtime, on the same samples.
 
-    .venv-vllm/bin/python benchmarks/vllm_niah.py --methods full,snapkv,expectmerge --budget 0.25 --samples 10
+    .venv-vllm/bin/python benchmarks/vllm_niah.py --methods full,snapkv,mixedmerge --budget 0.25 --samples 10
 
 Needs the main venv (.venv: the transformers runtime, `benchmarks/vllm_reference.py`) beside
 .venv-vllm. Per method: kvmerge's NIAH prompts of about `--length` tokens (context and question, the
@@ -40,7 +40,7 @@ def through_vllm(model: str, prompts: list, method: str, budget: float, tokens: 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", default="full,snapkv,expectmerge")
+    parser.add_argument("--methods", default="full,snapkv,mixedmerge")
     parser.add_argument("--budget", type=float, default=0.25)
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--length", type=int, default=2048)

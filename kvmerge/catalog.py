@@ -24,7 +24,7 @@ SHORT = {  # the table's line per method (`kvmerge methods NAME` shows the whole
     "d2o": "layer budgets by attention density",
     "echo": "what the model reads while repeating",
     "evictmerge": "a base's picks; the rest merged in",
-    "expected_attention": "attention of modelled future queries",
+    "expectedattention": "attention of modelled future queries",
     "full": "no compression",
     "h2o": "attention from every prompt query",
     "keydiff": "keys least like the mean key",
@@ -33,7 +33,7 @@ SHORT = {  # the table's line per method (`kvmerge methods NAME` shows the whole
     "learnedmerge": "learnedzip's picks; the rest merged in",
     "learnedzip": "KVzip's scores, predicted in one pass",
     "mergingpress": "a base's picks; evicted values folded in",
-    "mixed_attention": "Expected Attention and SnapKV mixed",
+    "mixedattention": "Expected Attention and SnapKV mixed",
     "mixedmerge": "surprise and mixed attention; merged",
     "pyramidkv": "budgets shrinking with depth",
     "semanticache": "clusters within sentences, merged",
@@ -123,7 +123,7 @@ def build() -> list[dict]:
     from .errors import accepted_names
     from .methods import get_method
     from .methods.presets import PRESETS
-    from .methods.registry import _REGISTRY
+    from .methods.registry import _REGISTRY, old_names
 
     presets = {p.name: p for p in PRESETS}
     out = []
@@ -134,7 +134,7 @@ def build() -> list[dict]:
                "summary": preset.summary if preset else (cls.summary or _first_sentence(cls.__doc__)),
                "recommended": bool(preset and preset.recommended),
                "experimental": bool(not preset and getattr(cls, "experimental", False)),
-               "aliases": list(preset.aliases) if preset else [], "spec": preset.spec if preset else None,
+               "aliases": old_names(name), "spec": preset.spec if preset else None,
                "ties": sorted(preset.ties) if preset else [], "doc": _paragraphs(None if preset else cls.__doc__),
                "source": None if preset else _first_paragraph(sys.modules[cls.__module__].__doc__),
                "params": [], "second_pass": None, "where": {}, "refusals": {}}

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from kvmerge.methods.registry import current_spec
+
 from .runner import METRICS, TASKS, _read, summarize
 
 
@@ -42,8 +44,9 @@ def report(folder, plots: bool = True, methods: list[str] | None = None, plot_di
     if plots:
         plot_dir.mkdir(parents=True, exist_ok=True)
     texts = []
+    wanted = None if methods is None else {current_spec(m) for m in methods}  # rows read under current names
     for task in TASKS:
-        raw = [r for r in _read(folder / f"{task}.jsonl") if methods is None or r["method"] in methods]
+        raw = [r for r in _read(folder / f"{task}.jsonl") if methods is None or r["method"] in wanted]
         if not raw:
             continue
         rows = summarize(raw)
@@ -137,10 +140,11 @@ def _heatmaps(raw, folder) -> Path:
     return path
 
 
-KVPRESS_TWINS = {"snapkv": "snapkv", "keydiff": "keydiff", "streaming_llm": "streamingllm", "kvzip": "kvzip",
-                 "expected_attention": "expected_attention:alloc=adakv:floor=0.2:epsilon=0.01",
-                 "expected_attention_uniform": "expected_attention",
-                 "kvzip_plus": "kvzip:plus=true", "merging_expected_attention": "mergingpress"}
+KVPRESS_TWINS = {  # kvpress press names (benchmarks/kvpress_ruler.py, as kvpress spells them) → kvmerge specs
+    "snapkv": "snapkv", "keydiff": "keydiff", "streaming_llm": "streamingllm", "kvzip": "kvzip",
+    "expected_attention": "expectedattention:alloc=adakv:floor=0.2:epsilon=0.01",
+    "expected_attention_uniform": "expectedattention", "kvzip_plus": "kvzip:plus=true",
+    "merging_expected_attention": "mergingpress"}
 
 
 def ruler_curves(by_model: dict[str, list[dict]], kvpress: list[dict], path, length: int = 4096) -> Path:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from kvmerge import method_from_spec, split_prompt
 from kvmerge.errors import InputError
 from kvmerge.generate import cache_stats, decode
+from kvmerge.methods.registry import current_spec
 from . import fidelity
 from .corpus import GENRES
 from .shared import compressed_once
@@ -52,6 +53,7 @@ def run(task, model, tok, methods, budgets, lengths, samples, out_dir, protocol=
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{task}.jsonl"
+    methods = [current_spec(m) for m in methods]  # rows are written under the current names
     done = {run_key(r["method"], r["budget"], r) for r in _read(path, resuming=True)}
     label = (lambda m: f"{m}@chunk{prefill_chunk}") if prefill_chunk else (lambda m: m)
     data = build_samples(task, tok, lengths, samples, text, subtasks)[:limit]
@@ -142,7 +144,8 @@ def _read(path, resuming: bool = False) -> list[dict]:
     """The rows of a results file, one JSON object a line (none if there is no file). A line that is
     not one is refused (`InputError`) with the file and its line number; a last line cut off mid-write
     (a run stopped while writing it) is said to be so, with how to fix it (`resuming`: before a run
-    appends to the file)."""
+    appends to the file). A row measured under an older method name reads as the current one
+    (`kvmerge.methods.registry.current_spec`), so renamed suites still find it."""
     path = Path(path)
     if not path.exists():
         return []
@@ -168,6 +171,8 @@ def _read(path, resuming: bool = False) -> list[dict]:
         if not isinstance(row, dict) or not {"method", "budget"} <= set(row):
             raise InputError(f"results file {path}, line {n}: not a results row (a JSON object with a method and "
                              "a budget): fix or delete that line") from None
+        if isinstance(row["method"], str):
+            row["method"] = current_spec(row["method"])
         rows.append(row)
     return rows
 

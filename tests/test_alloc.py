@@ -166,7 +166,7 @@ def _padded(model, spec, monkeypatch):
 
 
 @pytest.mark.parametrize("spec", ["snapkv:alloc=head:window=8", "kvzip:alloc=head:window=8:chunk=64",
-                                  "expected_attention:alloc=head:window=8", "expected_attention:alloc=adakv:window=8",
+                                  "expectedattention:alloc=head:window=8", "expectedattention:alloc=adakv:window=8",
                                   "evictmerge:base=kvzip:alloc=head:recent=0:window=8"])
 def test_per_head_allocation_meets_the_budget_in_bytes_and_equals_the_padded_layout(spec, monkeypatch):
     """Each head is stored at its own count: the bytes are the budget's entries exactly, and attention,

@@ -28,7 +28,7 @@ def test_keydiff_scores_are_minus_cosine_to_the_mean_unit_key_and_keep_the_odd_k
     assert torch.allclose(m.scores(keys, log_n, ctx)[0, 0, 3], -anchor[1], atol=1e-6)
 
 
-def test_expected_attention_equals_a_direct_computation_from_pre_rope_queries():
+def test_expectedattention_equals_a_direct_computation_from_pre_rope_queries():
     """Scores from captured post-RoPE queries (un-rotated) == the paper's formula computed from the
     q_proj outputs, with the mean rotation over future positions built matrix by matrix."""
     from .conftest import random_ids, tiny_model
@@ -37,7 +37,7 @@ def test_expected_attention_equals_a_direct_computation_from_pre_rope_queries():
     ids = random_ids(60, seed=2)
     pre = {}
     hook = model.model.layers[1].self_attn.q_proj.register_forward_hook(lambda m, a, o: pre.setdefault("q", o))
-    m = kvmerge.get_method("expected_attention", budget=20, sinks=4, window=8, n_future=16, epsilon=0.01)
+    m = kvmerge.get_method("expectedattention", budget=20, sinks=4, window=8, n_future=16, epsilon=0.01)
     s = kvmerge.Session(model, 1, m)
     compress = s.compress
     seen = {}
@@ -220,8 +220,8 @@ def test_kvzip_plus_on_a_ragged_batch_equals_each_row_alone(arch):
 
 
 @pytest.mark.parametrize("with_mass", [False, True])
-def test_merges_calibrated_by_expected_attention_keep_its_selection_and_reproduce_the_expected_query(with_mass):
-    """`evictmerge:base=expected_attention:recent=0:calibrate_with=expected`: the kept entries are
+def test_merges_calibrated_by_expectedattention_keep_its_selection_and_reproduce_the_expected_query(with_mass):
+    """`evictmerge:base=expectedattention:recent=0:calibrate_with=expected`: the kept entries are
     exactly EA's, and the mean future query μ̄ (no GQA, no covariance) reads the same attention output
     from the merged cache as from the full one: each cluster's expected mass lands on its kept entry."""
     from kvmerge.attention import biased_sdpa
@@ -233,7 +233,7 @@ def test_merges_calibrated_by_expected_attention_keep_its_selection_and_reproduc
     log_n = torch.randint(1, 4, (b, h, s), generator=g).float().log() if with_mass else torch.zeros(b, h, s)
     ctx = LayerContext(0, 1, target=16, sinks=4, window=4, scaling=d ** -0.5, queries=queries, values=values, seen=s)
     identity = lambda p: (torch.ones(len(p), d), torch.zeros(len(p), d))  # noqa: E731 (no rotation)
-    ea = kvmerge.get_method("expected_attention", budget=16, sinks=4, window=4, use_covariance=False)
+    ea = kvmerge.get_method("expectedattention", budget=16, sinks=4, window=4, use_covariance=False)
     ea._cos_sin = identity
     m = kvmerge.get_method("evictmerge", base=ea, budget=16, sinks=4, window=4, recent=0.0,
                            calibrate_with="expected")
@@ -358,16 +358,16 @@ def test_heads_whose_base_scores_saturate_evict_and_the_others_merge_as_before(a
             kvmerge.get_method("evictmerge", **bad)
 
 
-def test_guardmerge_is_zipmerge_on_zipguard_with_its_guarded_heads_evicting():
-    m = kvmerge.get_method("guardmerge")
+def test_zipguardmerge_is_zipmerge_on_zipguard_with_its_guarded_heads_evicting():
+    m = kvmerge.get_method("zipguardmerge")
     assert (m.base.name, m.saturated, m.calibrate_with, m.alloc) == ("zipguard", 0.25, "base", "head")
     assert m.saturated == m.base.saturated  # the heads zipguard guards are the heads that evict
-    assert kvmerge.method_from_spec("guardmerge:saturated=0.4", 0.25).base.saturated == 0.4
+    assert kvmerge.method_from_spec("zipguardmerge:saturated=0.4", 0.25).base.saturated == 0.4
     assert [part.name for part in m.base._fallbacks] == ["surprisal", "echo"]  # R22
-    m = kvmerge.method_from_spec("guardmerge:fallback=surprisal", 0.25)
+    m = kvmerge.method_from_spec("zipguardmerge:fallback=surprisal", 0.25)
     assert [part.name for part in m.base._fallbacks] == ["surprisal"]
     with pytest.raises(ValueError, match="echoo"):
-        kvmerge.method_from_spec("guardmerge:fallback=surprisal+echoo", 0.25)
+        kvmerge.method_from_spec("zipguardmerge:fallback=surprisal+echoo", 0.25)
 
 
 def test_calibrate_with_names_its_choices():
@@ -377,19 +377,19 @@ def test_calibrate_with_names_its_choices():
         kvmerge.get_method("zipmerge", absorb="window")
 
 
-def test_expectmerge_is_surprisemerge_on_mixed_attention_with_expected_calibration():
+def test_mixedmerge_is_surprisemerge_on_mixedattention_with_expected_calibration():
     from .conftest import TinyTokenizer, random_ids, tiny_model
 
     model, tok = tiny_model(), TinyTokenizer()
     ctx, q = random_ids(160, seed=4), [3, 4]
-    spec = kvmerge.method_from_spec("surprisemerge:base=mixed_attention:calibrate_with=expected", 0.25)
-    named = kvmerge.get_method("expectmerge", budget=0.25)
+    spec = kvmerge.method_from_spec("surprisemerge:base=mixedattention:calibrate_with=expected", 0.25)
+    named = kvmerge.get_method("mixedmerge", budget=0.25)
     a, b = (kvmerge.generate_ids(model, ctx, q, m, max_new_tokens=8, tokenizer=tok) for m in (spec, named))
     assert a.tokens == b.tokens and a.stats["cache_entries"] == b.stats["cache_entries"]
     assert named._expected is named.base and named.needs.queries == -1
 
 
-def test_mixed_attention_is_the_mean_of_expected_and_normalised_observed_attention():
+def test_mixedattention_is_the_mean_of_expected_and_normalised_observed_attention():
     from kvmerge.ops.scores import attention_probs
 
     g = torch.Generator().manual_seed(6)
@@ -398,8 +398,8 @@ def test_mixed_attention_is_the_mean_of_expected_and_normalised_observed_attenti
     queries = torch.randn(b, hq, s, d, generator=g)
     ctx = LayerContext(0, 1, target=12, sinks=4, window=4, scaling=d ** -0.5, queries=queries, values=values, seen=s)
     identity = lambda p: (torch.ones(len(p), d), torch.zeros(len(p), d))  # noqa: E731
-    mixed = kvmerge.get_method("mixed_attention", budget=12, sinks=4, window=4, obs_window=5)
-    ea = kvmerge.get_method("expected_attention", budget=12, sinks=4, window=4)
+    mixed = kvmerge.get_method("mixedattention", budget=12, sinks=4, window=4, obs_window=5)
+    ea = kvmerge.get_method("expectedattention", budget=12, sinks=4, window=4)
     mixed._cos_sin = ea._cos_sin = identity
     log_n = torch.zeros(b, hkv, s)
     observed = attention_probs(queries[:, :, -5:], keys, ctx.scaling).sum(2)  # (b, hkv, s), group-summed

@@ -97,7 +97,7 @@ MISTAKES = [  # argv, what the line must say
     (["eval", "--text", "lega"], "neither a genre (did you mean legal?)"),
     (["eval", "--model", "smollm3"], "unknown model 'smollm3'"),
     (["bench", "--methods", "nosuch"], "unknown method 'nosuch'"),
-    (["demo", "--methods", "full,expectmerg"], "unknown method 'expectmerg' (did you mean expectmerge"),
+    (["demo", "--methods", "full,mixedmerg"], "unknown method 'mixedmerg' (did you mean mixedmerge"),
     (["demo", "--length", "0"], "--length"),
     (["methods", "snapvk"], "unknown method 'snapvk' (did you mean snapkv?)"),
     (["train-scorer", "--model", "gemma-3-270m"], "unknown model 'gemma-3-270m' (did you mean gemma3-270m?)"),
@@ -122,7 +122,7 @@ def test_chunked_refusals_come_before_the_model_loads(capsys, files, monkeypatch
     monkeypatch.setattr("kvmerge.capabilities.refusals",
                         lambda m, runtime: [f"{m.name} needs one-shot"] if runtime == "chunked" else [])
     (files / "long.txt").write_text("word " * 3000)
-    argv = ["generate", "--context", "long.txt", "--question", "q", "--method", "guardmerge", "--prefill-chunk", "512"]
+    argv = ["generate", "--context", "long.txt", "--question", "q", "--method", "zipguardmerge", "--prefill-chunk", "512"]
     fails(capsys, argv, "needs one-shot", "drop --prefill-chunk")
 
 
@@ -160,10 +160,9 @@ def test_methods_table_says_what_each_does_its_cost_and_where_it_runs(capsys, mo
     assert cols["kvzip"][2] == "2nd pass" and cols["snapkv"][2] == "one pass" and "vLLM" in cols["snapkv"][3]
     assert "vLLM" not in cols["kvzip"][3] and cols["zipguard"][1] == "part"
     assert set(kvmerge.available_methods()) <= set(cols)
-    assert main(["methods", "expectmerge"]) == 0
+    assert main(["methods", "mixedmerge"]) == 0  # an old name: tests/test_names.py
     detail = capsys.readouterr().out
     assert detail.startswith("mixedmerge (preset, recommended") and "spec: evictmerge:" in detail
-    assert "old names: expectmerge" in detail
     assert main(["methods", "snapkv"]) == 0
     assert "kernel = 7  (int)" in capsys.readouterr().out
 

@@ -61,12 +61,12 @@ def test_mergingpress_keeps_the_base_selection_keys_and_log_mass_and_only_folds_
     model = tiny_model()
     ids = random_ids(160, seed=3)
     caches = {}
-    for name in ("expected_attention", "mergingpress"):
+    for name in ("expectedattention", "mergingpress"):
         s = kvmerge.Session(model, 1, kvmerge.get_method(name, budget=0.25, window=8), TinyTokenizer())
         with torch.no_grad():
             s.prefill([ids])
         caches[name] = [s.cache.layers[i] for i in s.cache.compressible]
-    for evict, merge in zip(caches["expected_attention"], caches["mergingpress"]):
+    for evict, merge in zip(caches["expectedattention"], caches["mergingpress"]):
         assert torch.equal(evict.keys, merge.keys)  # the base's picks, keys unchanged
         assert evict.log_n is None and merge.log_n is None  # no log-mass
         assert not torch.equal(evict.values, merge.values)  # evicted values folded in
@@ -128,8 +128,9 @@ def test_kvmerge_keeps_what_kvpress_keeps_with_parameters_aligned():
     data, kept = json.loads(x.INPUT.read_text()), json.loads(x.KEPT.read_text())
     ids, n = data["context_ids"], len(data["context_ids"])
     model, tok = kvmerge.load_model(dtype=torch.float32, device="cpu")
+    # keys: the presses in kvpress's kept.json (its spelling); values: kvmerge specs
     specs = {"snapkv": "snapkv:obs_window=64:kernel=5:window=64:sinks=0", "streamingllm": "streamingllm",
-             "expected_attention": "expected_attention:window=0", "keydiff": "keydiff:sinks=0:window=0",
+             "expected_attention": "expectedattention:window=0", "keydiff": "keydiff:sinks=0:window=0",
              "kvzip_prefix_scored": "kvzip:alloc=head:window=0", "mergingpress": "mergingpress:window=0"}
     values = {}
     ours = x.kvmerge_kept(model, tok, ids, sorted(set(specs.values())), values=values)

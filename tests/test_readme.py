@@ -35,8 +35,6 @@ def test_readme_starts_with_the_two_set_up_commands_and_stays_short():
     assert "## RULER" in text and "docs/results.md" in text.split("## RULER")[1].split("##")[0]
     for jargon in ("R25", "copy head", "alloc=head", "long_text", "paper.txt", "faithful"):
         assert jargon not in text, jargon
-    for old in ("expectmerge", "guardmerge"):  # the old names only as such
-        assert all(text[m.start() - 10:m.start()] == "old name `" for m in re.finditer(rf"(?<!\w){old}", text)), old
     for command in commands():
         assert command.startswith("kvmerge "), command
 

@@ -39,8 +39,8 @@ def test_a_needle_is_found_with_the_full_cache_and_with_surprisemerge_at_a_quart
 
 
 @pytest.mark.ci_slow
-def test_guardmerge_evicts_in_gemmas_copy_heads_and_keeps_the_needle_merging_there_loses(gemma):
-    """Gemma-3's global layers: in those whose KVzip scores saturate (copy heads) `guardmerge` keeps
+def test_zipguardmerge_evicts_in_gemmas_copy_heads_and_keeps_the_needle_merging_there_loses(gemma):
+    """Gemma-3's global layers: in those whose KVzip scores saturate (copy heads) `zipguardmerge` keeps
     exactly `zipguard`'s eviction (same entries, log-mass 0); in the others it merges. A dev needle that
     merging into the copy heads turns into "1." (R21) is kept at 10%."""
     from kvmerge.generate import cache_stats, decode
@@ -52,8 +52,8 @@ def test_guardmerge_evicts_in_gemmas_copy_heads_and_keeps_the_needle_merging_the
     s = build_samples("niah", tok, [2048], 10, text="docs")[3]
     ctx, q = prompt_ids(tok, s)
     caches, answers = {}, {}
-    evicting = f"zipguard:alloc=head:fallback={kvmerge.get_method('guardmerge').base.fallback}"  # guardmerge's picks
-    specs = ["guardmerge", evicting, "zipmerge:base=zipguard"]
+    evicting = f"zipguard:alloc=head:fallback={kvmerge.get_method('zipguardmerge').base.fallback}"  # zipguardmerge's picks
+    specs = ["zipguardmerge", evicting, "zipmerge:base=zipguard"]
     with torch.inference_mode():
         for spec, _b, session, _ in compressed_once(model, tok, [ctx], [(m, 0.1) for m in specs]):
             caches[spec] = {i: session.cache.layers[i].kv() for i in session.cache.compressible}
@@ -61,7 +61,7 @@ def test_guardmerge_evicts_in_gemmas_copy_heads_and_keeps_the_needle_merging_the
             out = decode(session, first, dict(cache_stats(session, [ctx], "agnostic")), 8, tok.eos_token_id)
             answers[spec] = score(tok.decode(out.tokens[0], skip_special_tokens=True), s.answer)
     guarded = merged = 0
-    for i, kv in caches["guardmerge"].items():
+    for i, kv in caches["zipguardmerge"].items():
         evicted = caches[evicting][i]
         live = torch.isfinite(kv.log_n)
         if torch.equal(kv.keys, evicted.keys) and torch.allclose(kv.values, evicted.values, atol=1e-6) \
@@ -71,7 +71,7 @@ def test_guardmerge_evicts_in_gemmas_copy_heads_and_keeps_the_needle_merging_the
             assert torch.equal(kv.keys, evicted.keys)  # the same picks, values merged
             merged += 1
     assert guarded >= 1 and merged >= 1, (guarded, merged)
-    assert answers == {"guardmerge": 1.0, evicting: 1.0, "zipmerge:base=zipguard": 0.0}
+    assert answers == {"zipguardmerge": 1.0, evicting: 1.0, "zipmerge:base=zipguard": 0.0}
 
 
 @pytest.mark.ci_slow

@@ -90,8 +90,8 @@ def test_unsupported_model_type_is_refused(tmp_path):
 def test_every_registered_method_is_runnable_or_refused_with_a_reason():
     runnable = {n for n in kvmerge.available_methods() if refusal(kvmerge.get_method(n)) is None}
     assert runnable >= {"full", "snapkv", "h2o", "keydiff", "streamingllm", "evictmerge", "cam", "kmeans",
-                        "semanticache", "surprisal", "surprisemerge", "mixedmerge", "expected_attention",
-                        "mixed_attention", "echo"}
+                        "semanticache", "surprisal", "surprisemerge", "mixedmerge", "expectedattention",
+                        "mixedattention", "echo"}
     for name in {"kvzip", "pyramidkv", "d2o", "tova", "centroidkv"}:
         assert refusal(kvmerge.get_method(name)).startswith(name)
 
@@ -109,8 +109,8 @@ def test_layout_frees_whole_blocks_before_the_kept_entries():
 
 def test_only_merging_methods_widen_the_cache_with_the_channel():
     assert not any(needs_channel(kvmerge.method_from_spec(m, 0.25)) for m in ("full", "snapkv", "keydiff",
-                                                                                "streamingllm", "expected_attention"))
-    assert all(needs_channel(kvmerge.method_from_spec(m, 0.25)) for m in ("evictmerge", "expectmerge", "cam",
+                                                                                "streamingllm", "expectedattention"))
+    assert all(needs_channel(kvmerge.method_from_spec(m, 0.25)) for m in ("evictmerge", "mixedmerge", "cam",
                                                                             "kmeans", "semanticache", "surprisemerge"))
 
 

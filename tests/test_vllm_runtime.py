@@ -1,6 +1,6 @@
 """The vLLM plugin's runtime interface (kvmerge/vllm/compress.py imports no vLLM, so this runs in the
 main venv): what methods read through it equals what they read through the transformers runtime, so
-that Expected Attention's rotation and the surprisal of `expectmerge` are the same numbers inside
+that Expected Attention's rotation and the surprisal of `mixedmerge` are the same numbers inside
 vLLM as in kvmerge's runtime."""
 
 import torch
@@ -14,7 +14,7 @@ from .conftest import random_ids, tiny_model
 
 def test_the_vllm_runtimes_rotary_gives_the_models_rotation():
     model = tiny_model("llama")
-    ours, theirs = get_method("expected_attention"), get_method("expected_attention")
+    ours, theirs = get_method("expectedattention"), get_method("expectedattention")
     ours.setup_all(VllmRuntime(model.config))
     theirs.setup_all(Session(model, 1).runtime)
     positions = torch.arange(0, 3000, 7)
@@ -39,9 +39,9 @@ def test_prompt_surprisal_equals_the_runtimes():
 
 
 def test_methods_that_read_the_rotary_or_surprisal_are_accepted_and_others_are_not():
-    assert get_method("expectmerge").needs.tokenizer and get_method("expectmerge").needs.rotary  # the sentence ends
-    assert not get_method("expected_attention").needs.tokenizer
-    for name in ("expectmerge", "surprisemerge", "surprisal", "expected_attention", "mixed_attention"):
+    assert get_method("mixedmerge").needs.tokenizer and get_method("mixedmerge").needs.rotary  # the sentence ends
+    assert not get_method("expectedattention").needs.tokenizer
+    for name in ("mixedmerge", "surprisemerge", "surprisal", "expectedattention", "mixedattention"):
         assert refusal(get_method(name)) is None, name
     assert refusal(get_method("kvzip")).startswith("kvzip")
     assert "sliding=0.5 shortens sliding-window layers" in refusal(get_method("snapkv", sliding=0.5))
@@ -66,12 +66,12 @@ def test_compress_prompt_passes_the_surprisal_and_a_pre_sliced_query_window():
 
 
 def test_the_worker_sets_up_a_method_that_reads_only_the_rotary_embedding():
-    """expected_attention's setup reads the rotary embedding and no tokenizer: the worker's method gets
+    """expectedattention's setup reads the rotary embedding and no tokenizer: the worker's method gets
     the runtime all the same, no tokenizer is loaded, and its rotation is the model's."""
     model = tiny_model("llama")
-    method, runtime = build_method(Settings("expected_attention", 0.25), None, model.config)
+    method, runtime = build_method(Settings("expectedattention", 0.25), None, model.config)
     assert runtime.tokenizer is None
-    theirs = get_method("expected_attention")
+    theirs = get_method("expectedattention")
     theirs.setup_all(Session(model, 1).runtime)
     positions = torch.arange(0, 300, 11)
     for a, b in zip(method._cos_sin(positions), theirs._cos_sin(positions)):

@@ -7,7 +7,7 @@ import torch
 from ..ops.merge import merge_into_kept
 from ..ops.scores import fill_protected, received_attention, saturated_heads, top_slots, top_slots_per_head
 from .base import Needs, ScoringMethod, check_scoring_part
-from .expected_attention import ExpectedAttention
+from .expectedattention import ExpectedAttention
 from .registry import register
 from .snapkv import SnapKV
 from .surprisal import Surprisal
@@ -26,7 +26,7 @@ class EvictMerge(ScoringMethod):
     log(cluster attention / kept entry's attention). `calibrate=False`: count weights (degree-weighted
     means of keys and values, log-count bias, mass conserved). `calibrate_with="expected"`: the
     weights are Expected Attention's expected probabilities instead (`base`'s own `probabilities` when
-    it is `expected_attention` or `mixed_attention`, so merges follow the model its picks were made by).
+    it is `expectedattention` or `mixedattention`, so merges follow the model its picks were made by).
     `calibrate_with="base"`: the weights are `base`'s own scores, which must be non-negative (KVzip's
     and `echo`'s: the attention an entry got while the context was repeated; `zipguard` reorders those
     values in its copy heads), so an entry the base ranks low shifts the entry it joins little.

@@ -26,7 +26,7 @@ class ExpectedAttention(ScoringMethod):
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
-    name = "expected_attention"
+    name = "expectedattention"
     requires = Needs(queries=-1, rotary=True)
 
     def setup(self, runtime):
@@ -54,7 +54,7 @@ class ExpectedAttention(ScoringMethod):
         """`(b, hkv, s)`: each entry's expected attention (a softmax over the non-sink entries, averaged
         over the KV group's query heads), before the value-norm weighting."""
         if ctx.queries is None:
-            raise ValueError("expected_attention needs the prompt's queries (prefill)")
+            raise ValueError("expectedattention needs the prompt's queries (prefill)")
         b, hkv, slots, d = keys.shape
         mu, sigma = self.statistics(ctx.queries, ctx.seen or slots)
         hq = mu.shape[1]
@@ -74,5 +74,5 @@ class ExpectedAttention(ScoringMethod):
         if not self.use_vnorm:
             return probs
         if ctx.values is None:
-            raise ValueError("expected_attention needs the cached values (prefill)")
+            raise ValueError("expectedattention needs the cached values (prefill)")
         return (probs + self.epsilon) * ctx.values.float().norm(dim=-1)

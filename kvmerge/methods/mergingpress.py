@@ -7,7 +7,7 @@ from ..ops.kv import KV
 from ..ops.merge import fold_values
 from ..ops.scores import top_slots
 from .base import Needs, ScoringMethod, check_scoring_part
-from .expected_attention import ExpectedAttention
+from .expectedattention import ExpectedAttention
 from .registry import register
 
 
@@ -25,7 +25,7 @@ class MergingPress(ScoringMethod):
 
     kvpress's press has no default base (`press=None`, asserted to be a `ScorerPress`); its tests wrap
     `KnormPress` (and `AdaKVPress(SnapKVPress())`). kvmerge has no Knorm; the default base here is
-    `expected_attention`, kvpress's own question-agnostic press (`mergingpress:base=snapkv` etc.)."""
+    `expectedattention`, kvpress's own question-agnostic press (`mergingpress:base=snapkv` etc.)."""
 
     base: ScoringMethod = field(default_factory=ExpectedAttention)
     similarity_threshold: float = 0.0

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from ..ops.scores import received_attention
-from .expected_attention import ExpectedAttention
+from .expectedattention import ExpectedAttention
 from .registry import register
 
 
@@ -16,7 +16,7 @@ class MixedAttention(ExpectedAttention):
     ((p + ε)·‖v‖); `calibrate_with=expected` merges by these probabilities."""
 
     obs_window: int = 32
-    name = "mixed_attention"
+    name = "mixedattention"
     experimental = True
 
     def probabilities(self, keys, log_n, ctx):

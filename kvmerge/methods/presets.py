@@ -1,9 +1,9 @@
 """Presets: named method specs, as data. A preset is a registered method with other defaults (its
 `params`; `base.x` sets parameter x of the method's `base` part), optionally with parameters tied
-together (`ties`: a preset parameter that sets several, e.g. guardmerge's `saturated` sets its own
-and its base's). `kvmerge methods` lists them beside the methods; `get_method` resolves them.
+together (`ties`: a preset parameter that sets several, e.g. zipguardmerge's `saturated` sets its
+own and its base's). `kvmerge methods` lists them beside the methods; `get_method` resolves them.
 
-`recommended` marks what the README recommends; `aliases` are older names kept for a release.
+`recommended` marks what the README recommends. Older names live in one table, `registry.OLD_NAMES`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ class Preset:
     summary: str
     ties: dict = field(default_factory=dict)
     recommended: bool = False
-    aliases: tuple[str, ...] = ()
 
     @property
     def spec(self) -> str:
@@ -67,10 +66,9 @@ PRESETS = [
            "the recent window, the most surprising sentences kept exact and SnapKV's picks; the rest merged "
            "into them by attention"),
     Preset("mixedmerge", "evictmerge",
-           {"recent": 0.5, "exact": 0.25, "whole": True, "base": "mixed_attention", "calibrate_with": "expected"},
+           {"recent": 0.5, "exact": 0.25, "whole": True, "base": "mixedattention", "calibrate_with": "expected"},
            "surprisemerge whose picks and merge weights come from mixed attention (Expected Attention's "
-           "estimate averaged with the last prompt queries'); no second pass", recommended=True,
-           aliases=("expectmerge",)),
+           "estimate averaged with the last prompt queries'); no second pass", recommended=True),
     Preset("zipmerge", "evictmerge", {"base": "kvzip", "alloc": "head", "recent": 0.0, "calibrate_with": "base"},
            "KVzip's global picks kept exact, every other entry merged into them, weighted by KVzip's scores"),
     Preset("learnedmerge", "evictmerge", {"base": "learnedzip", "alloc": "head", "recent": 0.0, "calibrate_with": "base"},
@@ -82,5 +80,5 @@ PRESETS = [
            "zipmerge on zipguard's picks (copy heads ranked by surprisal and echo, where they evict); keeps "
            "facts in the document's own words", ties={"saturated": ("saturated", "base.saturated"),
                                                       "fallback": ("base.fallback",)},
-           recommended=True, aliases=("guardmerge",)),
+           recommended=True),
 ]

@@ -1,5 +1,11 @@
-"""Methods by name: the registry of method classes, the presets (`presets.py`: named specs, as data)
-and their older names, and spec strings (`"evictmerge:base=h2o:min_cosine=0.5"`) parsed in one place."""
+"""Methods by name: the registry of method classes, the presets (`presets.py`: named specs, as data),
+the older names (`OLD_NAMES`, the one table of them), and spec strings
+(`"evictmerge:base=h2o:min_cosine=0.5"`) parsed in one place.
+
+Names are one lowercase word: letters and digits, no `_` or `-` (`snapkv`, `streamingllm`,
+`expectedattention`, `zipguardmerge`). A name is matched case-, `_`- and `-`-blind, so
+`Expected-Attention` finds `expectedattention` too.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +29,17 @@ def _normal(name: str) -> str:
     return name.lower().replace("-", "").replace("_", "")
 
 
+# Older names → current ones: they resolve everywhere a name is read (specs, suites, results rows,
+# `kvmerge methods OLD`), and are written nowhere else in the tree (tests/test_names.py checks).
+OLD_NAMES = {
+    "expectmerge": "mixedmerge",                # the preset's name until presets became data
+    "guardmerge": "zipguardmerge",              # the preset's name until presets became data
+    "expected_attention": "expectedattention",  # spelt as a Python identifier until the one-word rule
+    "mixed_attention": "mixedattention",        # spelt as a Python identifier until the one-word rule
+}
+
 _PRESETS = {_normal(p.name): p for p in PRESETS}
-_ALIASES = {_normal(a): p.name for p in PRESETS for a in p.aliases}
+_ALIASES = {_normal(old): new for old, new in OLD_NAMES.items()}
 
 
 def available_methods() -> list[str]:
@@ -39,6 +54,23 @@ def canonical(name: str) -> str | None:
     if key in _PRESETS:
         return _PRESETS[key].name
     return next((n for n in _REGISTRY if _normal(n) == key), None)
+
+
+def old_names(name: str) -> list[str]:
+    """The older names of the method or preset `name` (from `OLD_NAMES`)."""
+    return [old for old, new in OLD_NAMES.items() if new == name]
+
+
+def current_spec(spec: str) -> str:
+    """`spec` (a results row's label: `name[:param=value...][@chunkN]`) with every older name in it,
+    the method's or a part's (`base=...`), written as the current one; anything else unchanged."""
+    head, at, tail = spec.partition("@")
+    pieces = head.split(":")
+    renamed = [OLD_NAMES.get(pieces[0], pieces[0])]
+    for piece in pieces[1:]:
+        key, eq, value = piece.partition("=")
+        renamed.append(f"{key}={OLD_NAMES.get(value, value)}" if eq else piece)
+    return ":".join(renamed) + at + tail
 
 
 def get_method(name: str, budget: float | int | None = None, **params) -> Method:
