@@ -205,7 +205,7 @@ def run(args) -> None:
 TWINS = {"no_press": "full", "snapkv": "snapkv", "expected_attention": "expectedattention:alloc=adakv:floor=0.2:epsilon=0.01",
          "expected_attention_uniform": "expectedattention", "keydiff": "keydiff", "streaming_llm": "streamingllm",
          "kvzip": "kvzip", "kvzip_plus": "kvzip:plus=true", "merging_expected_attention": "mergingpress"}
-# the twins with kvpress's own parameters, as benchmarks/kvpress_crosscheck.py aligns them (docs/methods.md)
+# the twins with kvpress's own parameters, as benchmarks/kvpress_crosscheck.py aligns them (docs/kvpress.md)
 ALIGNED = {"snapkv": "snapkv:obs_window=64:kernel=5:window=64:sinks=0", "kvzip": "kvzip:alloc=head:window=0",
            "expected_attention": "expectedattention:alloc=adakv:floor=0.2:epsilon=0.01:window=0",
            "expected_attention_uniform": "expectedattention:window=0", "keydiff": "keydiff:sinks=0:window=0",

@@ -14,14 +14,14 @@ from kvmerge.methods.registry import OLD_NAMES, canonical, current_spec
 ROOT = Path(__file__).parents[1]
 
 # Files another worker owned when the names changed: rename there, then drop the file from this set.
-PENDING = {"README.md", "docs/performance.md", "docs/vllm.md"}
+PENDING = {"docs/performance.md", "docs/vllm.md"}
 # Rewritten elsewhere (their rows must still run, which the aliases ensure), or history kept verbatim.
 EXCLUDED = ("tests/test_behaviour.py", "tests/fixtures/", "docs/research-log.md")
 # The table and this test.
 HOME = {"kvmerge/methods/registry.py", "tests/test_names.py"}
 # `expected_attention` is also kvpress's own name for its press (its evaluation registry, kept.json's keys):
 # allowed where presses are named (a kvpress-facing file, a line that names presses, the press column of
-# the kvpress-against-kvmerge table in docs/results.md), never as a kvmerge spec (followed by `:` or `@`).
+# the kvpress-against-kvmerge table in docs/kvpress.md), never as a kvmerge spec (followed by `:` or `@`).
 KVPRESS_FILES = {"benchmarks/kvpress_crosscheck.py", "benchmarks/kvpress_ruler.py", "kvmerge_eval/report.py",
                  "tests/test_kvpress_crosscheck.py"}
 PRESS_NAME = "expected_attention"

@@ -262,7 +262,8 @@ class ScoringMethod(Method):
     over its own heads by score; each head at its own length as with "head".
     `floor` (global allocation only; AdaKV's `alpha_safeguard`): every (layer, head) keeps at least this
     fraction of the uniform count, its own best entries, before the rest is spent globally.
-    Global allocation needs a one-shot compression of rows without padding."""
+    Global allocation runs one-shot and under a chunked prefill; it needs rows without padding (one
+    row, or rows of one length) and a method without a decode policy."""
 
     alloc: str = "uniform"
     floor: float = 0.0

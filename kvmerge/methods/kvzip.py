@@ -23,10 +23,10 @@ class KVzip(CarriedScores, ScoringMethod):
     it at any reconstruction position, the softmax running over the first `sinks` entries, the chunk
     and the reconstruction's own keys (causal). The reconstruction's KV is discarded. Costs about a
     second prefill. Budget: the paper's global selection across layers and heads by default
-    (`alloc="head"`: each head at its own length, one row or rows of one length, one-shot);
-    `alloc="uniform"` keeps the same count in every layer and head (ragged batches, chunked prefill),
-    `alloc="layer"` the global ranking evened out per layer (see `ScoringMethod`). Chunked prefill
-    (uniform): each fresh chunk is reconstructed when it arrives; kept entries keep their scores.
+    (`alloc="head"`: each head at its own length, one row or rows of one length, one-shot or chunked);
+    `alloc="uniform"` keeps the same count in every layer and head (also for ragged batches),
+    `alloc="layer"` the global ranking evened out per layer (see `ScoringMethod`). Chunked prefill:
+    each fresh chunk is reconstructed when it arrives; kept entries keep their scores.
 
     `plus=True` is KVzip+ (kvpress's `kvzip_plus_normalization`): each probability is divided by the
     norm of the reconstruction position's attention input (the layer's normalised hidden state) and
