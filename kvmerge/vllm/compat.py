@@ -1,7 +1,9 @@
 """Every use of vLLM beyond its public plugin interface, in one place, for the one vLLM version the
 plugin is tested with (`SUPPORTED`): a config hook on the platform, the runner's class swapped for
 ours, the backend lookup cache cleared, and the block manager's release of a request's leading
-blocks. `check_version` refuses any other version with the reason, at startup.
+blocks; besides these, the scheduler (scheduler.py) overrides vLLM's private
+`Scheduler._reserve_prefill_lookahead` to recompute a preempted request's prompt alone. `check_version`
+refuses any other version with the reason, at startup.
 """
 
 from __future__ import annotations

@@ -98,7 +98,8 @@ class KvmergeCPURunner(CPUModelRunner):
         for row, req_id in enumerate(batch.req_ids[:num_reqs]):
             n, done = scheduled.get(req_id, 0), int(batch.num_computed_tokens_cpu[row])
             if done == 0 and n > 1:
-                if n < int(batch.num_tokens_no_spec[row]):
+                # a whole prompt; or, resumed after a preemption, the prompt alone (its decoded tokens follow)
+                if n < int(batch.num_tokens_no_spec[row]) and n != int(batch.num_prompt_tokens[row]):
                     raise RuntimeError("kvmerge: a prompt was split across steps (chunked prefill), which the plugin "
                                        "turned off; its compression would miss the earlier chunks")
                 lay = layout(self.kvmerge_method, n, bs)

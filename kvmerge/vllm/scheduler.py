@@ -14,6 +14,7 @@ from __future__ import annotations
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.request import RequestStatus
 
 from .compat import free_leading_blocks, request_blocks
 from .config import layout, settings_of
@@ -28,7 +29,8 @@ class KvmergeScheduler(Scheduler):
     release, the pool's usage then, and how many times it was compressed (more than once when vLLM
     preempted and recomputed it); `kvmerge_peak_running`: the most requests running at once;
     `kvmerge_peak_prompts`: the most prompts compressed in one step; `kvmerge_idle`: the pool's free
-    blocks when the last request left (also logged: "kvmerge: idle: F of T KV blocks free, H held")."""
+    blocks when the last request left (also logged: "kvmerge: idle: F of T KV blocks free, H held; A requests
+    aborted so far"); `kvmerge_aborted`: requests finished from outside a step (clients' aborts)."""
 
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
@@ -44,6 +46,20 @@ class KvmergeScheduler(Scheduler):
         self.kvmerge_peak_prompts = 0
         self.kvmerge_idle: dict | None = None  # the pool when the scheduler last ran out of requests
         self.kvmerge_busy = False
+        self.kvmerge_aborted = 0  # requests finished from outside a step: clients' aborts (and stop strings)
+
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """vLLM's last word on how many tokens a request gets this step (called for running and waiting
+        requests alike, `compat` lists it), then: a request resumed after a preemption (nothing computed,
+        tokens decoded before) gets its prompt alone. It is compressed as it was the first time (same
+        prompt, same queries, same layout); its decoded tokens follow in the next step as a running
+        request's tokens, attending to the compressed prompt as they did when they were decoded. So the
+        cache is rebuilt as it was, and the request goes on as if never preempted. (Recomputing prompt and
+        decoded tokens as one new prompt would compress a different sequence and change its answer.)"""
+        n = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        if num_computed_tokens == 0 and request.num_tokens > request.num_prompt_tokens > 1:
+            n = min(n, request.num_prompt_tokens)
+        return n
 
     def add_request(self, request) -> None:
         super().add_request(request)
@@ -52,6 +68,8 @@ class KvmergeScheduler(Scheduler):
     def finish_requests(self, request_ids, finished_status):
         """vLLM's finish from outside a step (a client's abort), then the idle check."""
         out = super().finish_requests(request_ids, finished_status)
+        if finished_status == RequestStatus.FINISHED_ABORTED:
+            self.kvmerge_aborted += len(out)
         self.kvmerge_check_idle()
         return out
 
@@ -63,8 +81,9 @@ class KvmergeScheduler(Scheduler):
         self.kvmerge_busy = False
         pool = self.kv_cache_manager.block_pool
         free, total = pool.get_num_free_blocks(), pool.num_gpu_blocks - 1  # the null block is never free
-        self.kvmerge_idle = {"free": free, "total": total, "held": total - free}
-        logger.info("kvmerge: idle: %d of %d KV blocks free, %d held", free, total, total - free)
+        self.kvmerge_idle = {"free": free, "total": total, "held": total - free, "aborted": self.kvmerge_aborted}
+        logger.info("kvmerge: idle: %d of %d KV blocks free, %d held; %d requests aborted so far", free, total,
+                    total - free, self.kvmerge_aborted)
 
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
