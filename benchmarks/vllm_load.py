@@ -46,6 +46,7 @@ from pathlib import Path
 
 MODEL_NAME = "smollm2"
 ABORT_KINDS = ("close@0", "close@1", "close@k", "timeout", "nostream-timeout")
+ABORTED = re.compile(r"kvmerge: request \S+ aborted (queued|right after its prefill step|decoding)")
 IDLE = re.compile(r"kvmerge: idle: (\d+) of (\d+) KV blocks free, (\d+) held; (\d+) requests aborted")
 
 
@@ -288,6 +289,9 @@ def wait_idle(base: str, log: Path, plugin: bool, since: int = 0, timeout_s: flo
     if idle:
         free, total, held, aborted = map(int, idle[-1])
         out.update(free_blocks=free, pool_blocks=total, blocks_held=held, aborted=aborted)
+    if plugin:
+        points = ABORTED.findall(log.read_text(errors="replace"))
+        out["abort_points"] = {p: points.count(p) for p in ("queued", "right after its prefill step", "decoding")}
     return out
 
 
@@ -394,6 +398,7 @@ def run_config(args, w: Workload, kvmerge: dict | None, log: Path) -> dict:
         "aborts": sum(o.error in ("closed", "timeout") for o in aborted),
         "abort_outcomes": [(o.kind, round(o.seconds, 2), o.chunks, o.error) for o in aborted],
         "aborts_seen_by_server": idle["aborted"] - before["aborted"] if plugin else None,
+        "abort_points": idle.get("abort_points"),
         "served_after_aborts": again.text == (solo.get(again.index).text if solo else again.text) and not again.error,
         "bad_inputs": bad, "served_after_bad_inputs": not after_bad.error and bool(after_bad.text),
         "alive": alive, "preemptions": idle.get("preemptions"),
@@ -409,15 +414,18 @@ def run_config(args, w: Workload, kvmerge: dict | None, log: Path) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| config | requests completed | greedy = alone | aborts survived | bad inputs answered 400 | blocks leaked "
-            "| preemptions | TTFT p50 s | TTFT p99 s | load s |\n|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| config | requests completed | greedy = alone | aborts survived (queued / right after prefill / decoding) "
+            "| bad inputs answered 400 | blocks leaked | preemptions | TTFT p50 s | TTFT p99 s | load s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         bad_ok = sum(b["ok"] for b in r["bad_inputs"])
         leak = r["blocks_leaked"] if r["blocks_leaked"] is not None else f"usage {r['kv_cache_usage_perc_idle']:g}"
         exact = f"{r['exact']}/{r['requests']}" if r["exact"] is not None else "–"
+        points = r.get("abort_points")
+        where = f" ({' / '.join(str(v) for v in points.values())})" if points else ""
         lines.append(f"| {r['config']} | {r['completed']}/{r['requests']} | {exact} | "
-                     f"{r['aborts'] if r['served_after_aborts'] and r['alive'] else 0}/{r['aborts']} | "
+                     f"{r['aborts'] if r['served_after_aborts'] and r['alive'] else 0}/{r['aborts']}{where} | "
                      f"{bad_ok}/{len(r['bad_inputs'])} | {leak} | {int(r['preemptions'] or 0)} | {r['ttft_p50_s']} | "
                      f"{r['ttft_p99_s']} | {r['load_seconds']} |")
     return "\n".join(lines)
@@ -427,7 +435,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--requests", type=int, default=32, help="streaming clients that run to the end")
-    parser.add_argument("--aborts", type=int, default=8, help="clients that abort (close or time out)")
+    parser.add_argument("--aborts", type=int, default=10, help="clients that abort (close or time out)")
+    parser.add_argument("--timeouts", default="0.2,20", help="the range of the aborting clients' timeouts, s")
     parser.add_argument("--words", type=int, default=60, help="words of notes per prompt (60: about 220 tokens)")
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--method", default="snapkv")
@@ -450,7 +459,8 @@ def main(argv=None) -> int:
     args.model = args.model or default_model()
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
-    w = workload(args.requests, args.aborts, args.words, args.output_tokens, args.seed)
+    w = workload(args.requests, args.aborts, args.words, args.output_tokens, args.seed,
+                 tuple(float(x) for x in args.timeouts.split(",")))
     if args.pool_blocks is None:
         from transformers import AutoTokenizer
 
@@ -477,7 +487,7 @@ def main(argv=None) -> int:
     print(table(rows))
     for r in rows:
         for b in r["bad_inputs"]:
-            print(f"bad input: {b['input']}: HTTP {b['status']}: {b['message']}")
+            print(f"{r['config']}: bad input: {b['input']}: HTTP {b['status']}: {b['message']}")
     failures = [r["config"] for r in rows if r["completed"] < r["requests"] or r["mismatched"] or not r["alive"]
                 or (r["blocks_leaked"] or 0) or r["kv_cache_usage_perc_idle"] != 0
                 or not all(b["ok"] for b in r["bad_inputs"])]

@@ -54,6 +54,7 @@ def test_load_with_aborts_answers_as_alone_and_leaks_no_block(served):
     assert again.text == solo[w.complete[0]].text and proc.poll() is None  # still serving
     after = wait_idle(base, log, plugin=True, since=mark)
     assert after["aborted"] - before["aborted"] == stopped >= ABORTS - 2, [o.__dict__ for o in aborted]
+    assert sum(after["abort_points"].values()) == stopped and after["abort_points"]["decoding"] >= 1, after
     assert after["blocks_held"] == 0 and after["free_blocks"] == POOL - 1  # every block back in the pool
     assert after["kv_cache_usage_perc"] == 0 and after["running"] == 0 and after["waiting"] == 0
     assert after["preemptions"] >= 1, after  # the pool was tight enough to preempt: those answered as alone too

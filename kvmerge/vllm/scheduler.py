@@ -30,7 +30,8 @@ class KvmergeScheduler(Scheduler):
     preempted and recomputed it); `kvmerge_peak_running`: the most requests running at once;
     `kvmerge_peak_prompts`: the most prompts compressed in one step; `kvmerge_idle`: the pool's free
     blocks when the last request left (also logged: "kvmerge: idle: F of T KV blocks free, H held; A requests
-    aborted so far"); `kvmerge_aborted`: requests finished from outside a step (clients' aborts)."""
+    aborted so far"); `kvmerge_aborted`: requests finished from outside a step (clients' aborts);
+    `kvmerge_aborts`: the aborts by where they found the request (`finish_requests`)."""
 
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
@@ -47,6 +48,8 @@ class KvmergeScheduler(Scheduler):
         self.kvmerge_idle: dict | None = None  # the pool when the scheduler last ran out of requests
         self.kvmerge_busy = False
         self.kvmerge_aborted = 0  # requests finished from outside a step: clients' aborts (and stop strings)
+        self.kvmerge_aborts: dict[str, int] = {"queued": 0, "right after its prefill step": 0, "decoding": 0}
+        self.kvmerge_just_prefilled: set[str] = set()  # the requests the latest step prefilled and compressed
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         """vLLM's last word on how many tokens a request gets this step (called for running and waiting
@@ -66,7 +69,22 @@ class KvmergeScheduler(Scheduler):
         self.kvmerge_busy = True
 
     def finish_requests(self, request_ids, finished_status):
-        """vLLM's finish from outside a step (a client's abort), then the idle check."""
+        """vLLM's finish from outside a step (a client's abort), then the idle check. Each abort is logged
+        with where it found the request: queued (nothing computed: not yet prefilled, or preempted), right
+        after its prefill step (the step that just ran prefilled and compressed it: vLLM handles an abort
+        between steps, so one that arrives during the prefill and compression lands here) or decoding."""
+        if finished_status == RequestStatus.FINISHED_ABORTED:
+            request_ids = ([request_ids] if isinstance(request_ids, str) else
+                           list(self.requests) if request_ids is None else list(request_ids))
+            for req_id in request_ids:
+                request = self.requests.get(req_id)
+                if request is None or request.is_finished():
+                    continue
+                where = ("queued" if request.num_computed_tokens == 0 else "right after its prefill step"
+                         if req_id in self.kvmerge_just_prefilled else "decoding")
+                self.kvmerge_aborts[where] += 1
+                logger.info("kvmerge: request %s aborted %s (%d tokens computed, %d out)", req_id, where,
+                            request.num_computed_tokens, request.num_output_tokens)
         out = super().finish_requests(request_ids, finished_status)
         if finished_status == RequestStatus.FINISHED_ABORTED:
             self.kvmerge_aborted += len(out)
@@ -97,12 +115,14 @@ class KvmergeScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         out = super().update_from_output(scheduler_output, model_runner_output)
         prompts = 0
+        self.kvmerge_just_prefilled = set()
         for req_id in scheduler_output.num_scheduled_tokens:
             n = self.kvmerge_prefilling.pop(req_id, None)
             if n is None or request_blocks(self, req_id) is None:  # not a prefill, or finished already
                 continue
             lay = layout(self.kvmerge_method, n, self.kvmerge_block_size)
             prompts += 1
+            self.kvmerge_just_prefilled.add(req_id)
             if lay.freed:
                 free_leading_blocks(self, req_id, lay.freed)
             blocks = request_blocks(self, req_id)
