@@ -1,7 +1,7 @@
 """The vLLM server with the kvmerge plugin under load, aborts and bad input, against stock vLLM (a benchmark;
 a smaller run of the same functions is tests/test_vllm_load.py).
 
-    HF_HUB_OFFLINE=1 .venv-vllm/bin/python benchmarks/vllm_load.py                 # the run in docs/vllm.md
+    HF_HUB_OFFLINE=1 .venv-vllm/bin/python benchmarks/vllm_load.py --stock-exactness   # the run in docs/vllm.md
     HF_HUB_OFFLINE=1 .venv-vllm/bin/python benchmarks/vllm_load.py --requests 8 --aborts 4 --no-stock  # quick
 
 Runs the server as users do (`python -m kvmerge.vllm.serve`, i.e. `vllm serve`, on 127.0.0.1) and drives
@@ -18,8 +18,10 @@ it with the `openai` client. For each configuration (the plugin; stock vLLM: the
 4. bad requests (a prompt longer than max_model_len, an empty prompt, an empty chat, n > 1 greedy): each
    must get HTTP 400 with a message, and the server must still answer afterwards;
 5. leaks: when the last request has left, the plugin's scheduler logs its pool ("kvmerge: idle: F of T KV
-   blocks free, H held"; H must be 0), and vLLM's /metrics must show kv_cache_usage_perc 0 and no
-   request running or waiting (stock: /metrics only).
+   blocks free, H held; A requests aborted so far"; H must be 0), and vLLM's /metrics must show
+   kv_cache_usage_perc 0 and no request running or waiting (stock: /metrics only). The plugin's
+   scheduler also logs where each abort found its request (queued, right after its prefill step,
+   decoding), tabulated with the aborts.
 
 Then the start-up refusals (`--startup`): each bad plugin setting must make the serve command exit
 non-zero with one line on stderr naming the problem. Every server is killed when its phase ends;
