@@ -2,7 +2,7 @@
 new process, the file's bytes against budget × the full cache's, and whether the new process answers
 as the compression did in memory (greedy tokens). One JSON line per model × length × method.
 
-    python benchmarks/context_files.py --out results/context_files.jsonl   # both bundled models, 2k and 8k
+    python benchmarks/context_files.py --out results/context_files.jsonl   # both bundled models, 2k and 7.5k
 
 Contexts are needle prompts (kvmerge_eval.niah); the question asks for the needle. Rows already in
 `--out` are skipped, so an interrupted run resumes.
@@ -61,7 +61,7 @@ def one(model, tok, name, length, spec, budget, tokens, folder) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="smollm2-135m,gemma3-270m")
-    p.add_argument("--lengths", default="2048,8192")
+    p.add_argument("--lengths", default="2048,7680", help="context tokens (SmolLM2 has 8,192 positions)")
     p.add_argument("--methods", default="snapkv,zipguardmerge")
     p.add_argument("--budget", type=float, default=0.25)
     p.add_argument("--tokens", type=int, default=16, help="answer tokens compared")
