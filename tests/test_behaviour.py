@@ -23,10 +23,11 @@ What a method decides is pinned exactly, as integers; what it computes in floats
 
 The thresholds sit in wide gaps: a kept key is within 1e-7 of its token's, a merged one at least 1e-2
 away (MATCH); a head of whole counts is within 1e-6 of integers in log space, a head of calibrated
-counts at least 1e-3 off (INTEGER); a kept value is within 1e-7 of its token's (MOVED, below which a
-shift counts as rounding, and the sum is continuous across it). A decision that meets an exact tie
-which float rounding breaks can still differ between machines (llama|one|d2o:base=snapkv|once: token
-52 is as near to the kept copies of itself at 46 and 58, at layer 0, in exact arithmetic).
+counts at least 1e-3 off (INTEGER). An unmerged value is within 1e-7 of its token's, but a value
+merged with tiny weights can be any distance from it, so the shift sum has no step: it counts what
+exceeds MOVED (rounding) continuously. A decision that meets an exact tie which float rounding
+breaks can still differ between machines (llama|one|d2o:base=snapkv|once: at layer 0, token 52 is
+exactly as near to the kept copies of itself at 46 and 58).
 
 A refactor of the runtime must leave every row as pinned; a change that is meant to change behaviour
 regenerates the fixture in its own commit and says why (`python -m tests.test_behaviour`, and
