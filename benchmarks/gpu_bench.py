@@ -10,7 +10,7 @@ JSON line per configuration.
   the largest batch whose cache fits in `--memory-gib` beside the weights, cache bytes and peak
   memory, for each method and budget at each context length, with the HBM floor of each decode
   step: (weights + cache bytes) / `--hbm-tbs`.
-* `capacity`: the largest batch that fits at each length, with and without compression.
+  `max_batch` is the largest batch that fits at that length: full against compressed is the capacity.
 * `profile`: the CUDA and CPU time of one batch-1 decode step, by operator (a text file).
 
     python benchmarks/gpu_bench.py --out results/gpu.jsonl                    # the GPU machine, ~7 min
