@@ -65,7 +65,7 @@ def compress(args) -> int:
     entries = [ctx.session.cache.layers[i].entries for i in ctx.session.cache.compressible]
     print(f"[{ctx.tokens:,} tokens → {sum(entries) / len(entries):.0f} entries per compressed layer and head; "
           f"{ctx.nbytes / 2**20:.2f} MiB, {ctx.nbytes / ctx.meta['full_bytes']:.1%} of the full cache; "
-          f"file {size / 2**20:.2f} MiB; {time.perf_counter() - start:.1f} s] → {out}", file=sys.stderr)
+          f"file {size / 2**20:.2f} MiB; {time.perf_counter() - start:.1f} s] → {out}")
     return 0
 
 

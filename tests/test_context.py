@@ -147,7 +147,7 @@ def test_compress_ask_and_inspect_on_the_bundled_model(capsys, tmp_path):
     out = tmp_path / "c.kvz"
     assert main(["compress", "--context", str(tmp_path / "ctx.txt"), "--out", str(out), "--method", "snapkv",
                  "--no-progress"]) == 0
-    assert "of the full cache" in capsys.readouterr().err and out.is_file()
+    assert "of the full cache" in capsys.readouterr().out and out.is_file()
     assert main(["ask", str(out), "--question", "What is the code of the back door?", "--max-new-tokens", "12"]) == 0
     answered = capsys.readouterr()
     model, tok = kvmerge.load_model()
