@@ -75,7 +75,7 @@ class Compressor:
                 raise InputError("this compressed context belongs to another model object than the one compressing")
         session = context.rewind()
         self._sessions[id(session.cache)] = session
-        self._contexts[id(session.cache)] = ([list(context.context_ids)], session.snapshot())
+        self._contexts[id(session.cache)] = ([list(context.context_ids)], context._snapshot)
         return session.cache
 
     def rewind(self, cache: MergedCache, input_ids=None) -> None:

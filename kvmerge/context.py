@@ -320,7 +320,6 @@ def _layer_in(layer, meta: dict, prefix: str, tensors: dict, device) -> None:
             head = MergedLayer()
             _layer_in(head, m, f"{prefix}h{i}.", tensors, device)
             heads.append(head)
-        layer.replace(*(torch.zeros(1, 1, 0, 1, device=device) for _ in range(2)), None, fit=True)
         layer.heads, layer._live, layer._kept = heads, tensors[prefix + "live"], meta["kept"]
         layer._keys = layer._values = layer._log_n = None
         layer._length = 0

@@ -46,21 +46,20 @@ def compress(args) -> int:
         raise InputError(f"--out {args.out} is a folder: give a file name, e.g. doc.kvz")
     if not out.parent.exists():
         raise InputError(f"--out {args.out}: no folder {str(out.parent)!r}")
-    m = None
-    if args.method is not None:
-        m = method(args.method, args.budget, args.prefill_chunk)
-        runs_here(m, args.model, args.prefill_chunk, len(text))
+    if args.method is not None:  # checked before the model loads
+        runs_here(method(args.method, args.budget, args.prefill_chunk), args.model, args.prefill_chunk, len(text))
     model, tok = _model_of(args)
     from .context import compress_context
     from .defaults import default_method
     from .progress import ProgressBars
 
-    if m is None:
-        m = method(default_method(model), args.budget, args.prefill_chunk)
+    spec = args.method
+    if spec is None:
+        spec = default_method(model)
+        method(spec, args.budget, args.prefill_chunk)
     start = time.perf_counter()
-    ctx = compress_context(model, tok, text, m, keep_ids=not args.no_ids, prefill_chunk=args.prefill_chunk,
-                           progress=None if args.no_progress else ProgressBars())
-    ctx.meta["method"] = args.method or ctx.meta["method"]
+    ctx = compress_context(model, tok, text, spec, args.budget, keep_ids=not args.no_ids,
+                           prefill_chunk=args.prefill_chunk, progress=None if args.no_progress else ProgressBars())
     size = ctx.save(out).stat().st_size
     entries = [ctx.session.cache.layers[i].entries for i in ctx.session.cache.compressible]
     print(f"[{ctx.tokens:,} tokens → {sum(entries) / len(entries):.0f} entries per compressed layer and head; "
