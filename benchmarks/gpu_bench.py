@@ -230,7 +230,7 @@ def model_rows(model, tok, lengths, methods, budgets, device, args, deadline) ->
 def one_config(model, tok, ids, spec, budget, device, weight_bytes, args) -> dict:
     import kvmerge
 
-    method = None if spec == "full" else kvmerge.method_from_spec(spec, budget)
+    method = None if spec == "full" else kvmerge.get_method(spec, budget)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     session = kvmerge.Session(model, 1, method, tok)
@@ -272,7 +272,7 @@ def profile_step(model, tok, n, spec, budget, device, out_path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     ids = torch.randint(100, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
-    session = kvmerge.Session(model, 1, None if spec == "full" else kvmerge.method_from_spec(spec, budget), tok)
+    session = kvmerge.Session(model, 1, None if spec == "full" else kvmerge.get_method(spec, budget), tok)
     with torch.inference_mode():
         session.prefill([ids])
         session.reserve(16)

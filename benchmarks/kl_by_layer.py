@@ -37,7 +37,7 @@ def main():
             reference = fidelity.teacher_forced(full, logits, sample.answer)
             layers = full.cache.compressible[:args.max_layers]
             for spec in args.methods.split(","):
-                session = kvmerge.Session(model, 1, kvmerge.method_from_spec(spec, args.budget), tok)
+                session = kvmerge.Session(model, 1, kvmerge.get_method(spec, args.budget), tok)
                 first = session.prefill([sample.context])
                 compressed = session.snapshot()
                 kept = [session.cache.layers[j].entries for j in layers]

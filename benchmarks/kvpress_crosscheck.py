@@ -330,7 +330,7 @@ def kvmerge_kept(model, tok, ids: list[int], specs: list[str], budget=BUDGET, sc
         full = {i: session.cache.layers[i].keys[0].clone() for i in session.cache.compressible}
         out = {}
         for spec in specs:
-            method = kvmerge.method_from_spec(spec, budget)
+            method = kvmerge.get_method(spec, budget)
             picked = {}
             told = method.selected
 

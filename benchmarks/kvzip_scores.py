@@ -39,7 +39,7 @@ def main():
         sample = make_sample(tok, args.length, 0.5, seed=seed)
         ctx, _ = prompt_ids(tok, sample)
         slots = digit_slots(tok, ctx, sample.answer)
-        method = kvmerge.method_from_spec("kvzip", 0.25)
+        method = kvmerge.get_method("kvzip", 0.25)
         session = kvmerge.Session(model, 1, method, tok)
         with torch.inference_mode():
             session.feed_prompt([ctx])

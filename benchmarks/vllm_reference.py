@@ -75,12 +75,12 @@ def greedy_as_vllm_keeps(prompts: list[dict], method: str, budget: float, tokens
                          timeout: float | None = None, imports: tuple[str, ...] = ()) -> list:
     """`greedy` on `prompts` at the entry count the plugin keeps for each (`config.layout`: a method that
     only selects fills its first kept block, up to `block_size` − 1 entries over the budget)."""
-    from kvmerge import method_from_spec
+    from kvmerge import get_method
     from kvmerge.methods.registry import load_plugins
     from kvmerge.vllm.config import layout
 
     load_plugins(list(imports))
-    spec = method_from_spec(method, budget)
+    spec = get_method(method, budget)
     kept = [{**p, "kept": layout(spec, len(p["ids"]), block_size).kept} for p in prompts]
     return call("greedy", "--method", method, "--budget", str(budget), "--tokens", str(tokens),
                 *[a for x in imports for a in ("--imports", x)], stdin=json.dumps(kept), timeout=timeout)
@@ -110,7 +110,7 @@ def main(argv=None) -> None:
         json.dump(niah_prompts(tok, args.samples, args.length, args.seed), sys.stdout)
         return
     prompts = json.load(sys.stdin)  # a prompt's "kept" (entries), when given, overrides --budget
-    json.dump([greedy(model, p["ids"], kvmerge.method_from_spec(args.method, p.get("kept", args.budget)), args.tokens,
+    json.dump([greedy(model, p["ids"], kvmerge.get_method(args.method, p.get("kept", args.budget)), args.tokens,
                       tokenizer=tok) for p in prompts], sys.stdout)
 
 

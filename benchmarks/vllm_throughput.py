@@ -56,12 +56,12 @@ def run_one(args, method: str | None, budget: float | None) -> dict:
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
 
-    from kvmerge import method_from_spec
+    from kvmerge import get_method
     from kvmerge.vllm.config import needs_channel, padded_head_size
 
     config = AutoConfig.from_pretrained(args.model)
     head = config.get_text_config().head_dim
-    widened = method is not None and needs_channel(method_from_spec(method, budget))  # merging: the log-mass channel
+    widened = method is not None and needs_channel(get_method(method, budget))  # merging: the log-mass channel
     width = padded_head_size(head) if widened else head
     blocks = int(args.pool_mib * 2 ** 20) // block_bytes(config, args.block_size, width)
     kwargs = dict(model=args.model, dtype="float32", max_model_len=args.max_model_len, enforce_eager=True,

@@ -120,7 +120,7 @@ def build() -> list[dict]:
     from dataclasses import MISSING, fields
 
     from .capabilities import RUNTIMES, refusals
-    from .errors import accepted_names
+    from .params import accepted_names
     from .methods import get_method
     from .methods.presets import PRESETS
     from .methods.registry import _REGISTRY, old_names
@@ -277,7 +277,8 @@ def check_spec(spec: str) -> None:
     """Refuse, from the table alone (no torch once it is cached), a spec whose method is unknown, or
     that names a parameter the method lacks or gives one a value of the wrong type; close names are
     suggested. What the table cannot tell is left to the method's own checks."""
-    from .errors import ParameterTypeError, UnknownNameError, check_value, suggest
+    from .errors import ParameterTypeError, UnknownNameError, suggest
+    from .params import check_value
 
     name, params = parse_spec(spec)
     found = row(name)

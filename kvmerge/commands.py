@@ -80,12 +80,13 @@ def method(spec: str, budget=None, chunk: int | None = None):
         raise InputError(f"--prefill-chunk {chunk} is below the protected first and last tokens ({keep}): every "
                          f"chunk would be kept whole; use at least {keep}")
 
-    from .errors import check_params, refusing
-    from .methods import method_from_spec
+    from .errors import refusing
+    from .params import check_params
+    from .methods import get_method
 
     with refusing():
         try:
-            m = method_from_spec(spec, budget)
+            m = get_method(spec, budget)
         except ValueError as e:
             hint = (" (a fraction of the context is written with a point, e.g. 1.0 or 0.25)"
                     if isinstance(budget, int) and "entries" in str(e) else "")
@@ -164,7 +165,7 @@ def generate(args) -> int:
 
     from transformers import TextStreamer
 
-    from .generate import generate as run
+    from .generation import generate as run
     from .model import load_model
     from .progress import ProgressBars
 

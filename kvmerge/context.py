@@ -23,8 +23,11 @@ from pathlib import Path
 
 import torch
 
-from .errors import InputError, KVMergeError, refusing
+from .decoding import GenerationOutput, cache_stats, decode, from_context
+from .errors import InputError, KVMergeError, ParameterTypeError, refusing
 from .layer import MergedLayer
+from .progress import bars_for
+from .prompt import end_ids, split_prompt, validate
 from .session import Session
 from .sliding import SlidingLayer
 
@@ -64,14 +67,10 @@ class CompressedContext:
 
     def question_ids(self, question: str) -> list[int]:
         """The ids that follow the context for `question` (the chat template's rest included)."""
-        from .generate import split_prompt
-
         return split_prompt(self.tokenizer, PLACEHOLDER, question, self.meta["chat_template"])[1]
 
     def generate_ids(self, question_ids: list[int], max_new_tokens: int = 32, **kwargs):
-        """Answer from token ids (`kvmerge.generate.from_context`'s keywords)."""
-        from .generate import from_context
-
+        """Answer from token ids (`kvmerge.decoding.from_context`'s keywords)."""
         return from_context(self, question_ids, max_new_tokens, **kwargs)
 
     def rewind(self) -> Session:
@@ -145,6 +144,31 @@ def batch(contexts: list[CompressedContext]) -> Session:
     return session
 
 
+@torch.inference_mode()
+def answer_contexts(model, tokenizer, contexts, questions, max_new_tokens: int = 32, eos_token_id=None,
+                    progress=None) -> GenerationOutput:
+    """One question (a str) per compressed context (`kvmerge.compress_context` or `load_context`),
+    answered in one ragged batch; `.text` one str per row. The contexts come from one model and method."""
+    with refusing():
+        if isinstance(questions, str) or len(questions) != len(contexts) or not contexts:
+            raise InputError(f"answer_contexts takes one question per context: {len(contexts)} contexts, "
+                             f"{1 if isinstance(questions, str) else len(questions)} questions")
+        if not all(isinstance(c, CompressedContext) for c in contexts):
+            raise ParameterTypeError("answer_contexts takes compressed contexts (kvmerge.compress_context, load_context)")
+        rows = [c.question_ids(q) for c, q in zip(contexts, questions)]
+        for c, q in zip(contexts, rows):
+            validate(model, [[0] * c.tokens], [q], "agnostic", max_new_tokens, c.session.method)
+    session = batch(contexts)
+    session.reserve(max(map(len, rows)) + max_new_tokens)
+    stats = {**cache_stats(session, [[0] * c.tokens for c in contexts], "agnostic")}
+    ends = end_ids(tokenizer, contexts[0].meta["chat_template"]) if eos_token_id is None else eos_token_id
+    logits = session.forward(rows, decoding=False)
+    out = decode(session, logits, stats, max_new_tokens, ends, progress=bars_for(progress))
+    out.text = [tokenizer.decode(t, skip_special_tokens=True).strip() for t in out.tokens]
+    return out
+
+
+
 def tokenizer_hash(tokenizer) -> str:
     """What identifies a tokenizer's ids: its vocabulary and chat template (12 hex)."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
@@ -160,9 +184,8 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
     None: the default for this model) at `budget`. `keep_ids=False` stores only the ids' hash."""
     from .cache import stock_cache_bytes
     from .defaults import default_method
-    from .generate import _validate, split_prompt
     from .methods import Method, get_method
-    from .progress import bars_for, watching
+    from .progress import watching
     from .scorer import fingerprint
 
     with refusing():
@@ -178,7 +201,7 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
         if not isinstance(method, Method):
             method = get_method(method, budget=budget)
         spec = spec or spec_of(method)
-        _validate(model, [ids], [[0]], "agnostic", 1, method, prefill_chunk)
+        validate(model, [ids], [[0]], "agnostic", 1, method, prefill_chunk)
         session = Session(model, 1, method, tokenizer)
     positions = _Provenance(session)
     report = bars_for(progress)

@@ -79,7 +79,7 @@ def ask(args) -> int:
     from transformers import TextStreamer
 
     from .context import load_context
-    from .generate import generate
+    from .generation import generate
 
     start = time.perf_counter()
     ctx = load_context(path, model, tok)

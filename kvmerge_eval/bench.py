@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kvmerge import Session, method_from_spec
+from kvmerge import Session, get_method
 from kvmerge.attention import biased_sdpa, packed_sdpa
 from kvmerge.cache import stock_cache_bytes
 from . import fidelity
@@ -90,7 +90,7 @@ def prefilled(model, ids, spec, budget, tokenizer=None, chunk=None):
     """A batch-1 session with `ids` prefilled (`chunk` tokens at a time if given) and compressed by
     `spec` (`"full"`: nothing compressed), and its timings with the peak resident memory above the
     level before it."""
-    method = None if spec == "full" else method_from_spec(spec, budget)
+    method = None if spec == "full" else get_method(spec, budget)
     s = Session(model, 1, method, tokenizer)
     with torch.inference_mode(), PeakRSS() as mem:
         s.prefill([ids], chunk=chunk)

@@ -15,14 +15,14 @@ def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int
     from rich.table import Table
     from tqdm import tqdm
 
-    from kvmerge import generate_ids, load_model, method_from_spec
+    from kvmerge import generate_ids, load_model, get_method
 
     from .niah import make_sample, score
     from .runner import prompt_ids
 
     console = Console(width=max(Console().width, 100))
     names = methods or list(DEFAULT_METHODS)
-    built = {n: method_from_spec(n, None if n == "full" else budget) for n in names}  # unknown names fail first
+    built = {n: get_method(n, None if n == "full" else budget) for n in names}  # unknown names fail first
     console.print(f"Loading model {model_path or 'SmolLM2-135M-Instruct (bundled)'} ...")
     model, tok = load_model(model_path)
     tasks = [make_sample(tok, length, depth=0.1 + 0.8 * i / max(samples - 1, 1), seed=i) for i in range(samples)]

@@ -26,7 +26,7 @@ def measure(model: str | None, spec: str, budget: float, length: int, chunk: int
     import torch
 
     import kvmerge
-    from kvmerge.generate import decode
+    from kvmerge.decoding import decode
 
     from .niah import make_sample, score
     from .runner import prompt_ids
@@ -38,7 +38,7 @@ def measure(model: str | None, spec: str, budget: float, length: int, chunk: int
     loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     sample = make_sample(tok, length, depth=0.5, seed=length)
     ctx, q = prompt_ids(tok, sample)
-    method = kvmerge.method_from_spec(spec, budget)
+    method = kvmerge.get_method(spec, budget)
     session = kvmerge.Session(mdl, 1, method, tok)
     t0 = time.perf_counter()
     with torch.inference_mode():

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvmerge import method_from_spec, split_prompt
+from kvmerge import get_method, split_prompt
 from kvmerge.errors import InputError
-from kvmerge.generate import cache_stats, decode
+from kvmerge.decoding import cache_stats, decode
 from kvmerge.methods.registry import current_spec
 from . import fidelity
 from .corpus import GENRES
@@ -58,7 +58,7 @@ def run(task, model, tok, methods, budgets, lengths, samples, out_dir, protocol=
     label = (lambda m: f"{m}@chunk{prefill_chunk}") if prefill_chunk else (lambda m: m)
     data = build_samples(task, tok, lengths, samples, text, subtasks)[:limit]
     for m in methods:
-        method_from_spec(m, budgets[0])  # unknown names and parameters fail now, not an hour in
+        get_method(m, budgets[0])  # unknown names and parameters fail now, not an hour in
     configs = [(m, b) for m in methods for b in ([1.0] if m == "full" else budgets)]
     _write_whole(out / f"{task}_config.json", json.dumps(
         {"task": task, "methods": methods, "budgets": budgets, "lengths": lengths, "samples": samples,

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from kvmerge import Session, method_from_spec
+from kvmerge import Session, get_method
 
 
 @torch.inference_mode()
@@ -20,7 +20,7 @@ def compressed_once(model, tok, rows: list[list[int]], configs: list[tuple[str, 
     is reused: consume each before asking for the next. Each method protects at least the last
     `min_window` tokens (the question, under the question-aware protocol). With `chunk` (chunked
     prefill, where compression happens between chunks) each method prefills on its own."""
-    methods = [(spec, budget, method_from_spec(spec, budget)) for spec, budget in configs]
+    methods = [(spec, budget, get_method(spec, budget)) for spec, budget in configs]
     if chunk is not None:
         for spec, budget, method in methods:
             session = Session(model, len(rows), method, tok)

@@ -106,12 +106,12 @@ def _unknown(table: dict, allowed: set, where: str) -> None:
 
 
 def _check_methods(runs, where) -> None:
-    from kvmerge import method_from_spec
+    from kvmerge import get_method
 
     for r in runs:
         for m in r.methods:
             try:
-                method_from_spec(m, r.budgets[0])
+                get_method(m, r.budgets[0])
             except (ValueError, TypeError, KeyError) as e:
                 raise ValueError(f"{where}: method {m!r}: {e}") from e
 

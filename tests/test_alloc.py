@@ -145,7 +145,7 @@ def test_top_slots_per_head_keeps_each_heads_own_top_entries_in_order():
 
 
 def _compressed(model, spec, n=160):
-    method = kvmerge.method_from_spec(spec, 0.25) if isinstance(spec, str) else spec
+    method = kvmerge.get_method(spec, 0.25) if isinstance(spec, str) else spec
     session = Session(model, 1, method, TinyTokenizer())
     logits = session.prefill([random_ids(n, seed=3)], method.window)
     return method, session, logits
@@ -268,16 +268,16 @@ def test_global_allocation_greedy_generation_runs_and_refuses_what_it_cannot_do(
         kvmerge.generate_ids(model, [random_ids(160, seed=1), random_ids(120, seed=2)], [[3], [4]],
                              kvmerge.get_method("snapkv", alloc="head", window=8), max_new_tokens=2)
     with pytest.raises(ValueError, match="set recent=0 and exact=0"):  # a fixed per-head share bypasses alloc
-        kvmerge.method_from_spec("evictmerge:alloc=head", 0.25)
+        kvmerge.get_method("evictmerge:alloc=head", 0.25)
     for spec in ("mergingpress:alloc=head", "pyramidkv:alloc=layer"):  # merging otherwise, or budgets of its own
         with pytest.raises(ValueError, match="applies to methods that keep their highest-scored"):
-            kvmerge.generate_ids(model, random_ids(160, seed=1), [3], kvmerge.method_from_spec(spec + ":window=8", 0.25),
+            kvmerge.generate_ids(model, random_ids(160, seed=1), [3], kvmerge.get_method(spec + ":window=8", 0.25),
                                  max_new_tokens=2)
     for name in ("evictmerge", "surprisemerge", "d2o"):  # a base's alloc would be ignored: refused
         with pytest.raises(ValueError, match="alloc='head' would be ignored"):
             kvmerge.get_method(name, base=kvmerge.get_method("snapkv", alloc="head"))
     with pytest.raises(ValueError, match="alloc must be one of uniform, layer, head, fit"):
-        kvmerge.method_from_spec("snapkv:alloc=global", 0.25)
+        kvmerge.get_method("snapkv:alloc=global", 0.25)
 
 
 def test_merging_with_per_head_allocation_keeps_the_same_picks_and_conserves_mass():
@@ -354,7 +354,7 @@ def test_a_ragged_cache_survives_snapshots_probes_row_repeats_and_a_second_compr
     assert [(x.seen, x.entries, x.nbytes) for x in session.cache.layers] == held  # refused before any layer took it
 
     for s in (session, padded):
-        s.use(kvmerge.method_from_spec("streamingllm:window=8", 20))
+        s.use(kvmerge.get_method("streamingllm:window=8", 20))
         s.compress()
     torch.testing.assert_close(session.forward([[9]]), padded.forward([[9]]), atol=1e-5, rtol=1e-5)
     session.repeat_rows(2)
@@ -372,7 +372,7 @@ def test_global_allocation_runs_under_a_chunked_prefill_within_budget_plus_chunk
     while it has an entry left, and each head holds at most its count + one chunk at any time. With
     count weights, merging keeps every token's mass."""
     model = tiny_model(num_hidden_layers=3)
-    method = kvmerge.method_from_spec(spec, 0.25)  # learnedzip: the tiny model's scorer (conftest, random weights)
+    method = kvmerge.get_method(spec, 0.25)  # learnedzip: the tiny model's scorer (conftest, random weights)
     session = Session(model, 1, method, TinyTokenizer())
     ids, chunk, seen = random_ids(300, seed=5), 64, []
     real = session.compress

@@ -183,7 +183,7 @@ def test_kvzip_reconstructs_a_prefill_once_for_every_budget_and_base():
         kvmerge.Session.probe = real
     assert len(probes) == 1  # 200 tokens: one reconstruction chunk, run once
     for (spec, budget), keys in shared.items():
-        s = kvmerge.Session(model, 1, kvmerge.method_from_spec(spec, budget), TinyTokenizer())
+        s = kvmerge.Session(model, 1, kvmerge.get_method(spec, budget), TinyTokenizer())
         with torch.no_grad():
             s.prefill([ctx])
         assert torch.equal(s.cache.layers[0].keys, keys), spec
@@ -362,12 +362,12 @@ def test_zipguardmerge_is_zipmerge_on_zipguard_with_its_guarded_heads_evicting()
     m = kvmerge.get_method("zipguardmerge")
     assert (m.base.name, m.saturated, m.calibrate_with, m.alloc) == ("zipguard", 0.25, "base", "head")
     assert m.saturated == m.base.saturated  # the heads zipguard guards are the heads that evict
-    assert kvmerge.method_from_spec("zipguardmerge:saturated=0.4", 0.25).base.saturated == 0.4
+    assert kvmerge.get_method("zipguardmerge:saturated=0.4", 0.25).base.saturated == 0.4
     assert [part.name for part in m.base._fallbacks] == ["surprisal", "echo"]  # R22
-    m = kvmerge.method_from_spec("zipguardmerge:fallback=surprisal", 0.25)
+    m = kvmerge.get_method("zipguardmerge:fallback=surprisal", 0.25)
     assert [part.name for part in m.base._fallbacks] == ["surprisal"]
     with pytest.raises(ValueError, match="echoo"):
-        kvmerge.method_from_spec("zipguardmerge:fallback=surprisal+echoo", 0.25)
+        kvmerge.get_method("zipguardmerge:fallback=surprisal+echoo", 0.25)
 
 
 def test_calibrate_with_names_its_choices():
@@ -382,7 +382,7 @@ def test_mixedmerge_is_surprisemerge_on_mixedattention_with_expected_calibration
 
     model, tok = tiny_model(), TinyTokenizer()
     ctx, q = random_ids(160, seed=4), [3, 4]
-    spec = kvmerge.method_from_spec("surprisemerge:base=mixedattention:calibrate_with=expected", 0.25)
+    spec = kvmerge.get_method("surprisemerge:base=mixedattention:calibrate_with=expected", 0.25)
     named = kvmerge.get_method("mixedmerge", budget=0.25)
     a, b = (kvmerge.generate_ids(model, ctx, q, m, max_new_tokens=8, tokenizer=tok) for m in (spec, named))
     assert a.tokens == b.tokens and a.stats["cache_entries"] == b.stats["cache_entries"]

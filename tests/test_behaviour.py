@@ -47,7 +47,7 @@ import pytest
 import torch
 
 import kvmerge
-from kvmerge.generate import decode
+from kvmerge.decoding import decode
 
 from .conftest import TinyTokenizer, random_ids, tiny_model
 from .test_hybrid import gemma3
@@ -180,7 +180,7 @@ def behaviour(model_name, kind, spec, chunk) -> dict:
     model, tok = _model(model_name)
     contexts, questions = _rows(kind, tok)
     try:
-        method = kvmerge.method_from_spec(spec if model_name == "smollm2" else f"{spec}:window=8", 0.25)
+        method = kvmerge.get_method(spec if model_name == "smollm2" else f"{spec}:window=8", 0.25)
         session = kvmerge.Session(model, len(contexts), method, tok)
         appended = _record(session)
         session.prefill(contexts, chunk=chunk)

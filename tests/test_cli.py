@@ -118,14 +118,6 @@ def test_cuda_without_a_gpu_is_refused_before_the_model_loads(capsys, files, mon
     fails(capsys, G + ["--device", "tpu9"], "unknown device 'tpu9'")
 
 
-def test_chunked_refusals_come_before_the_model_loads(capsys, files, monkeypatch):
-    monkeypatch.setattr("kvmerge.capabilities.refusals",
-                        lambda m, runtime: [f"{m.name} needs one-shot"] if runtime == "chunked" else [])
-    (files / "long.txt").write_text("word " * 3000)
-    argv = ["generate", "--context", "long.txt", "--question", "q", "--method", "zipguardmerge", "--prefill-chunk", "512"]
-    fails(capsys, argv, "needs one-shot", "drop --prefill-chunk")
-
-
 def test_hub_ids_are_refused_at_once_offline_when_not_cached(capsys, files, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     fails(capsys, G + ["--model", "nobody/no-such-model"], "not in the local Hugging Face cache", "HF_HUB_OFFLINE")

@@ -163,7 +163,7 @@ def test_compress_ask_and_inspect_on_the_bundled_model(capsys, tmp_path):
                                          (gemma3, "mixedmerge")])
 def test_contexts_of_different_lengths_answer_in_one_batch_as_alone(build, spec):
     from kvmerge.context import batch
-    from kvmerge.generate import decode
+    from kvmerge.decoding import decode
 
     model = build()
     contexts = [kvmerge.compress_context(model, TinyTokenizer(), random_ids(n, seed=n), f"{spec}:window=8", 0.25)

@@ -120,7 +120,7 @@ def test_every_method_runs_on_a_hybrid_model_on_cuda(name):
 def test_model_generate_on_cuda_equals_kvmerge_generate(spec):
     model, tok = tiny_model().cuda(), TinyTokenizer()
     ctx, q = random_ids(160, seed=1), random_ids(6, seed=2)
-    method = kvmerge.method_from_spec(f"{spec}:window=8", 0.25)
+    method = kvmerge.get_method(f"{spec}:window=8", 0.25)
     want = kvmerge.generate_ids(model, ctx, q, method, max_new_tokens=12, tokenizer=tok)
     with kvmerge.compressing(model, method, tokenizer=tok) as kv:
         cache = kv.prefill(ctx)

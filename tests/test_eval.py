@@ -174,7 +174,7 @@ def test_one_prefill_for_many_methods_equals_each_method_on_its_own(tmp_path, pr
     samples = {s.meta["seed"]: s for s in niah_samples(tok)}
     for r in rows:
         ctx, q = prompt_ids(tok, samples[r["seed"]])
-        method = kvmerge.method_from_spec(r["method"], r["budget"])
+        method = kvmerge.get_method(r["method"], r["budget"])
         alone = kvmerge.generate_ids(model, ctx, q, method, 24, protocol, tok.eos_token_id, tokenizer=tok)
         assert r["prediction"] == tok.decode(alone.tokens[0], skip_special_tokens=True).strip(), r["method"]
         assert r["cache_bytes"] == alone.stats["cache_bytes"]
@@ -183,7 +183,7 @@ def test_one_prefill_for_many_methods_equals_each_method_on_its_own(tmp_path, pr
     ref = fidelity.continuation_logits(model, s.context, s.answer)
     for spec in specs[1:]:
         alone = fidelity.compare(ref, fidelity.continuation_logits(
-            model, s.context, s.answer, kvmerge.method_from_spec(spec, 0.3), tok), s.answer)
+            model, s.context, s.answer, kvmerge.get_method(spec, 0.3), tok), s.answer)
         shared = next(r for r in fid if r["method"] == spec)
         assert shared["kl"] == pytest.approx(alone["kl"], rel=1e-5, abs=1e-7), spec
 

@@ -24,7 +24,7 @@ def lastquery():
 
 def _kept(spec, chunk=None, ids=None):
     model = tiny_model()
-    method = kvmerge.method_from_spec(f"{spec}:window=8", 0.25)
+    method = kvmerge.get_method(f"{spec}:window=8", 0.25)
     session = kvmerge.Session(model, 1, method, TinyTokenizer())
     with torch.no_grad():
         session.prefill([ids or random_ids(200, seed=11)], chunk=chunk)

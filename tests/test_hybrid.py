@@ -202,7 +202,7 @@ def test_a_chunk_that_keeps_a_layer_whole_still_carries_its_scores(spec):
     allocation, some layers) keeps every entry; methods whose scores come from that chunk's queries or
     tokens must still score them then, since the next compression ranks them without those queries."""
     model, ids = gemma3(), random_ids(120, seed=3)
-    method = kvmerge.method_from_spec(f"{spec}:window=2:sinks=1:sliding=1", 0.5)  # learnedzip: conftest's scorer
+    method = kvmerge.get_method(f"{spec}:window=2:sinks=1:sliding=1", 0.5)  # learnedzip: conftest's scorer
     s = kvmerge.Session(model, 1, method, TinyTokenizer())
     with torch.no_grad():
         s.prefill([ids], chunk=12)

@@ -76,7 +76,7 @@ def test_mergingpress_keeps_the_base_selection_keys_and_log_mass_and_only_folds_
                                   "mergingpress:base=kvzip:similarity_threshold=0.2"])
 def test_mergingpress_runs_through_generate_ids_and_keeps_the_budget(spec):
     model = tiny_model()
-    m = kvmerge.method_from_spec(spec + ":window=8", 0.25)
+    m = kvmerge.get_method(spec + ":window=8", 0.25)
     ctx, qs, tok = [random_ids(160, seed=1), random_ids(120, seed=2)], [[3, 4], [5]], TinyTokenizer()
     out = kvmerge.generate_ids(model, ctx, qs, m, max_new_tokens=6, tokenizer=tok)
     assert max(out.stats["cache_entries"]) <= max(m.target(160), m.target(120))

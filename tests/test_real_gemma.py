@@ -43,7 +43,7 @@ def test_zipguardmerge_evicts_in_gemmas_copy_heads_and_keeps_the_needle_merging_
     """Gemma-3's global layers: in those whose KVzip scores saturate (copy heads) `zipguardmerge` keeps
     exactly `zipguard`'s eviction (same entries, log-mass 0); in the others it merges. A dev needle that
     merging into the copy heads turns into "1." (R21) is kept at 10%."""
-    from kvmerge.generate import cache_stats, decode
+    from kvmerge.decoding import cache_stats, decode
     from kvmerge_eval.niah import score
     from kvmerge_eval.runner import build_samples, prompt_ids
     from kvmerge_eval.shared import compressed_once

@@ -182,7 +182,7 @@ def test_sampling_is_seeded_greedy_at_zero_temperature_and_streams(llama):
 
 
 def test_get_method_takes_a_name_or_a_spec_with_budget_and_keywords():
-    """One implementation: `kvmerge.get_method` reads specs as `method_from_spec` does (which calls it)."""
+    """One implementation: `kvmerge.get_method` reads specs as `get_method` does (which calls it)."""
     m = kvmerge.get_method("snapkv:alloc=head", budget=0.1, window=8)
     assert (m.name, m.alloc, m.budget, m.window) == ("snapkv", "head", 0.1, 8)
     z = kvmerge.get_method("zipguardmerge:sliding=0.75", budget=0.25)
@@ -190,7 +190,7 @@ def test_get_method_takes_a_name_or_a_spec_with_budget_and_keywords():
     assert kvmerge.get_method("snapkv:budget=400", budget=0.25).budget == 400  # the spec's budget wins
     assert kvmerge.get_method("full", budget=0.25).budget == 1.0  # the full cache takes no budget
     for spec in ("snapkv:alloc=head:window=8", "zipguardmerge:sliding=0.75", "evictmerge:base=h2o:recent=0.5"):
-        assert kvmerge.get_method(spec, budget=0.3) == kvmerge.method_from_spec(spec, 0.3) \
+        assert kvmerge.get_method(spec, budget=0.3) == kvmerge.get_method(spec, 0.3) \
             == kvmerge.methods.get_method(spec, budget=0.3), spec
     with pytest.raises(kvmerge.KVMergeError, match=r"^method spec 'snapkv:window=8' sets window=8 and the call "
                        r"window=16: give window once$"):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import kvmerge
-from kvmerge.errors import (ContextTooLongError, InputError, KVMergeError, ParameterTypeError, check_params,
-                            suggest)
+from kvmerge.errors import ContextTooLongError, InputError, KVMergeError, ParameterTypeError, suggest
+from kvmerge.params import check_params
 
 from .conftest import random_ids, tiny_model
 
@@ -69,23 +69,17 @@ def test_contexts_beyond_the_model_positions_are_refused_with_both_numbers(no_fo
 def test_parameter_types_and_runtime_refusals_come_before_any_forward(no_forward, monkeypatch):
     ctx = random_ids(300)
     with pytest.raises(ParameterTypeError, match="kernel must be a whole number"):
-        kvmerge.method_from_spec("snapkv:kernel=five", 0.25)  # kvmerge's own constructors check types
+        kvmerge.get_method("snapkv:kernel=five", 0.25)  # kvmerge's own constructors check types
     with pytest.raises(ParameterTypeError, match="window must be a whole number"):
         kvmerge.get_method("snapkv", window="abc")
-    bad = kvmerge.methods.method_from_spec("snapkv:kernel=five", 0.25)  # the registry's builds it
+    bad = kvmerge.get_method("snapkv", 0.25)
+    bad.kernel = "five"  # a method changed after it was built is checked again where it is used
     with pytest.raises(ParameterTypeError, match="kernel must be a whole number .*'five'") as e:
         kvmerge.generate_ids(no_forward, ctx, [3], bad)
     assert isinstance(e.value, TypeError) and isinstance(e.value, KVMergeError)
     with pytest.raises(ParameterTypeError, match="kernel"):
         with kvmerge.compressing(no_forward, bad):
             pass
-    with monkeypatch.context() as patch:  # whatever the chunked runtime refuses, it refuses before a forward
-        patch.setattr("kvmerge.capabilities.refusals", lambda m, r: [f"{m.name} needs one-shot"] if r == "chunked"
-                      else [])
-        with pytest.raises(InputError, match="snapkv needs one-shot"):
-            kvmerge.generate_ids(no_forward, ctx, [3], kvmerge.get_method("snapkv", budget=0.25), prefill_chunk=128)
-        kvmerge.generate_ids(tiny_model(), ctx, [3], kvmerge.get_method("snapkv", budget=0.25), prefill_chunk=300,
-                             max_new_tokens=1)  # a chunk as long as the context is one-shot
     with pytest.raises(InputError, match="prefill chunk"):
         kvmerge.generate_ids(no_forward, ctx, [3], prefill_chunk=0)
     with pytest.raises(InputError, match="max_new_tokens"):
@@ -95,15 +89,15 @@ def test_parameter_types_and_runtime_refusals_come_before_any_forward(no_forward
 
 
 def test_param_checks_follow_the_declarations():
-    from kvmerge.methods import method_from_spec
+    from kvmerge.methods import get_method
 
-    check_params(method_from_spec("snapkv:kernel=5:floor=0", 0.25))  # an int where a float goes is fine
+    check_params(get_method("snapkv:kernel=5:floor=0", 0.25))  # an int where a float goes is fine
     for name in kvmerge.available_methods():
         check_params(kvmerge.get_method(name))
     with pytest.raises(ParameterTypeError, match="true or false"):
-        check_params(method_from_spec("h2o:decode=1", 0.25))
+        check_params(get_method("h2o:decode=1", 0.25))
     with pytest.raises(ParameterTypeError, match="obs_window"):  # a part's parameters too
-        check_params(method_from_spec('evictmerge:base={"name":"snapkv","obs_window":"x"}', 0.25))
+        check_params(get_method('evictmerge:base={"name":"snapkv","obs_window":"x"}', 0.25))
     assert suggest("snapvk", ["snapkv", "h2o"]) == " (did you mean snapkv?)"
     assert suggest("zzz", ["snapkv"]) == ""
 
@@ -160,7 +154,7 @@ def test_smollm2_answers_two_questions_from_one_compressed_cache():
     questions = ["What is the code of the back door?", "When does the library open?"]
     ctx = kvmerge.split_prompt(tok, context, questions[0])[0]
     rows = [kvmerge.split_prompt(tok, context, q)[1] for q in questions]
-    from kvmerge.generate import end_ids
+    from kvmerge.prompt import end_ids
 
     ends = end_ids(tok)
     assert tok.convert_tokens_to_ids("<|im_end|>") in ends

@@ -108,9 +108,9 @@ def test_layout_frees_whole_blocks_before_the_kept_entries():
 
 
 def test_only_merging_methods_widen_the_cache_with_the_channel():
-    assert not any(needs_channel(kvmerge.method_from_spec(m, 0.25)) for m in ("full", "snapkv", "keydiff",
+    assert not any(needs_channel(kvmerge.get_method(m, 0.25)) for m in ("full", "snapkv", "keydiff",
                                                                                 "streamingllm", "expectedattention"))
-    assert all(needs_channel(kvmerge.method_from_spec(m, 0.25)) for m in ("evictmerge", "mixedmerge", "cam",
+    assert all(needs_channel(kvmerge.get_method(m, 0.25)) for m in ("evictmerge", "mixedmerge", "cam",
                                                                             "kmeans", "semanticache", "surprisemerge"))
 
 

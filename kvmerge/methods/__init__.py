@@ -5,10 +5,10 @@ import importlib
 import pkgutil
 
 from .base import LayerContext, LayerState, Method, Needs, ScoringMethod
-from .registry import available_methods, get_method, method_from_spec, register
+from .registry import available_methods, get_method, register
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["LayerContext", "LayerState", "Method", "Needs", "ScoringMethod", "available_methods", "get_method",
-           "method_from_spec", "register"]
+           "register"]

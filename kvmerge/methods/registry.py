@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import MISSING, fields
 
+from ..errors import UnknownNameError, refusing, suggest
+from ..params import check_fields, check_params
 from ..spec import parse_spec
 from .base import Method
 from .presets import PRESETS
@@ -81,7 +83,18 @@ def get_method(name: str, budget: float | int | None = None, **params) -> Method
     `budget` applies unless the spec sets one (`full` keeps everything and ignores it); any other
     parameter given both in the spec and as a keyword must agree. A parameter that takes a method
     (`evictmerge`'s `base`) also accepts a name or a `{"name": ..., **params}` dict; a part named so
-    keeps uniform allocation unless told otherwise (the composite owns the allocation)."""
+    keeps uniform allocation unless told otherwise (the composite owns the allocation).
+
+    Refusals are `KVMergeError`s, one line each: `UnknownNameError` (close names suggested),
+    `ParameterTypeError` (a value of the wrong type, checked against the fields' declarations before
+    the method is built, or an unknown parameter) and `InputError` (a value the method refuses)."""
+    with refusing():
+        method = _build(name, budget, params)
+    check_params(method)
+    return method
+
+
+def _build(name, budget, params: dict) -> Method:
     if not isinstance(name, str):
         raise TypeError(f"a method is named by a string (a name or a spec such as 'snapkv:window=8'), got "
                         f"{type(name).__name__}")
@@ -95,10 +108,13 @@ def get_method(name: str, budget: float | int | None = None, **params) -> Method
         params.setdefault("budget", budget)
     found = canonical(base)
     if found is None:
-        raise ValueError(f"unknown method {base!r}; available: {', '.join(available_methods())}")
-    if _normal(found) in _PRESETS:
-        return _PRESETS[_normal(found)].build(params)
-    cls = _REGISTRY[found]
+        raise UnknownNameError(f"unknown method {base!r}{suggest(base, available_methods())}; available: "
+                               f"{', '.join(available_methods())}")
+    preset = _PRESETS.get(_normal(found))
+    cls = _REGISTRY[preset.method if preset else found]
+    check_fields(cls, found, params)
+    if preset is not None:
+        return preset.build(params)
     known = {f.name: f for f in fields(cls) if f.init}
     unknown = set(params) - set(known)
     if unknown:
@@ -114,12 +130,6 @@ def get_method(name: str, budget: float | int | None = None, **params) -> Method
                 spec.setdefault("alloc", "uniform")
             params[key] = get_method(**spec)
     return cls(**params)
-
-
-def method_from_spec(spec: str, budget: float | int | None = None) -> Method:
-    """`get_method(spec, budget=budget)`: a method from `name[:param=value...]`, with `budget` unless
-    the spec sets one (`full` takes none). Kept for existing callers."""
-    return get_method(spec, budget=budget)
 
 
 def load_plugins(names: list[str]) -> None:

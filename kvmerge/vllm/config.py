@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..capabilities import refusals
-from ..methods import Method, method_from_spec
+from ..methods import Method, get_method
 from ..methods.registry import load_plugins
 from ..planner import is_global
 
@@ -28,7 +28,7 @@ KERNEL_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # what 
 
 @dataclass(frozen=True)
 class Settings:
-    """`additional_config["kvmerge"]`: `method`, a spec `kvmerge.method_from_spec` accepts (left out:
+    """`additional_config["kvmerge"]`: `method`, a spec `kvmerge.get_method` accepts (left out:
     the default for the model, `kvmerge.defaults.default_method(..., runtime="vllm")`, which `check`
     writes into the config: `learnedzip:alloc=uniform` where it has learned-scorer weights, else
     `mixedmerge`), and
@@ -44,7 +44,7 @@ class Settings:
     def build(self) -> Method:
         """A fresh method object (raises on an unknown method, parameter or a budget out of range)."""
         load_plugins(list(self.imports))
-        return method_from_spec(self.method, self.budget)
+        return get_method(self.method, self.budget)
 
 
 def settings_of(additional_config) -> Settings | None:

@@ -97,7 +97,7 @@ def test_beam_search_and_several_sequences_expand_a_prefilled_cache(spec, monkey
     args = dict(max_new_tokens=6, num_beams=2, num_return_sequences=2, do_sample=False)
 
     def run():
-        with kvmerge.compressing(model, kvmerge.method_from_spec(spec, 0.25)) as kv:
+        with kvmerge.compressing(model, kvmerge.get_method(spec, 0.25)) as kv:
             cache = kv.prefill(ctx)
             return cache, model.generate(torch.tensor([ctx + q]), cache=cache, **args)
 

@@ -22,7 +22,8 @@ import torch
 
 from .attention import kvmerge_attention
 from .cache import MergedCache
-from .errors import ContextTooLongError, InputError, ParameterTypeError, check_params, refusing
+from .errors import ContextTooLongError, InputError, ParameterTypeError, refusing
+from .params import check_params
 from .methods import Method, get_method
 from .model import max_positions
 from .session import Session

@@ -1,0 +1,204 @@
+"""A request's whole flow, top to bottom: check the input, prefill the context, compress it, feed
+the question, decode greedily.
+
+Question-agnostic protocol (default): the context is compressed before the question is seen, then
+the question is appended uncompressed. Question-aware: the question is part of the compressed
+prompt, inside the protected recent window.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .context import CompressedContext
+from .decoding import GenerationOutput, Sampling, cache_stats, cut_at_stop, decode, from_context, stop_strings, stopper
+from .errors import InputError, ParameterTypeError, refusing
+from .methods import Method, get_method
+from .progress import bars_for, watching
+from .prompt import common_prefix, is_ids, end_ids, split_prompt, validate
+from .session import Session
+
+
+@torch.inference_mode()
+def generate_ids(model, context_ids, question_ids, method: Method | str | None = None, max_new_tokens: int = 32,
+                 protocol: str = "agnostic", eos_token_id=None, tokenizer=None,
+                 sampling: Sampling | None = None, streamer=None, stop=None,
+                 prefill_chunk: int | None = None, progress=None) -> GenerationOutput:
+    """Generation from token ids (one row, or a list of rows run as one padded batch); greedy unless
+    `sampling` says otherwise. `streamer` (a transformers streamer: `put`, `end`) receives each new
+    token of a single row; `stop(row_tokens) -> bool` ends a row early; `eos_token_id`: an id or ids
+    that end a row. `prefill_chunk`: prefill and compress that many tokens at a time (bounded memory;
+    see `Session.prefill`). `progress`: None (quiet), True (bars on stderr for steps over 2 s) or
+    `progress(phase, done, total)`. `method`: None compresses with the default for this model
+    (`kvmerge.defaults.default_method`: learnedzip where it has learned-scorer weights, else mixedmerge,
+    which needs `tokenizer`); `get_method("full")` keeps the whole cache. Every check runs before the
+    first forward pass."""
+    with refusing():
+        method, default = _resolve(model, method)
+        contexts, questions, window = validate(model, context_ids, question_ids, protocol, max_new_tokens, method,
+                                                prefill_chunk)
+        if default:
+            _check_tokenizer(method, tokenizer)
+        if streamer is not None and len(contexts) > 1:
+            raise InputError("a streamer takes a single row")
+        session = Session(model, len(contexts), method, tokenizer)
+    report = bars_for(progress)
+    try:
+        with watching(session, report, max(map(len, contexts))):
+            logits = session.prefill(contexts, window, prefill_chunk)
+        session.reserve(max(len(q) for q in questions) + max_new_tokens)
+        stats = cache_stats(session, contexts, protocol)
+        if protocol == "agnostic":
+            logits = session.forward(questions, decoding=False)
+        return decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop, report)
+    finally:
+        getattr(report, "close", lambda: None)()
+
+
+def answer_questions(model, tokenizer, context, questions, method: Method | str | None = None,
+                     max_new_tokens: int = 32, chat_template: bool = True, eos_token_id=None,
+                     progress=None) -> list[GenerationOutput]:
+    """Several questions (a list of str) about one `context` (a str), question-agnostic: the context
+    is prefilled and compressed once, and each question decodes from that same compressed cache,
+    as `generate` would answer it alone (chat template applied; each answer stops at the end of its
+    turn). One `GenerationOutput` per question, `.text` set. `method`: a `Method`, a name or a spec;
+    None: the default for this model (`kvmerge.defaults.default_method`); "full" keeps the whole cache.
+
+    Token ids in the tokenizer's place, `answer_questions(model, context_ids, question_ids, method)`,
+    run `answer_questions_ids`."""
+    if is_ids(tokenizer):  # answer_questions(model, context_ids, question_ids, method, ...)
+        if method is not None:
+            raise ParameterTypeError("answer_questions(model, context_ids, question_ids, method, ...) takes no fifth "
+                                     "positional argument: pass max_new_tokens=... by name")
+        return answer_questions_ids(model, tokenizer, context, questions, max_new_tokens, eos_token_id,
+                                    progress=progress)
+    if isinstance(context, CompressedContext):
+        ends = end_ids(tokenizer, chat_template) if eos_token_id is None else eos_token_id
+        outs = []
+        for q in [questions] if isinstance(questions, str) else questions:
+            out = from_context(context, context.question_ids(q), max_new_tokens, ends, progress=progress)
+            out.text = tokenizer.decode(out.tokens[0], skip_special_tokens=True).strip()
+            outs.append(out)
+        return outs
+    with refusing():
+        if isinstance(questions, str):
+            questions = [questions]
+        if not isinstance(context, str) or not all(isinstance(q, str) for q in questions):
+            raise ParameterTypeError("answer_questions(model, tokenizer, context, questions, method) takes a context "
+                                     f"str and a list of question strs, got {type(context).__name__} and "
+                                     f"{', '.join(sorted({type(q).__name__ for q in questions}))} "
+                                     "(for token ids: kvmerge.answer_questions_ids)")
+        if not questions:
+            raise InputError("no questions to answer")
+        method = get_method(method) if isinstance(method, str) else method
+        pairs = [split_prompt(tokenizer, context, q, chat_template) for q in questions]
+        shared = common_prefix([c for c, _ in pairs])
+        question_rows = [(c + q)[len(shared):] for c, q in pairs]
+    ends = end_ids(tokenizer, chat_template) if eos_token_id is None else eos_token_id
+    outs = answer_questions_ids(model, shared, question_rows, method, max_new_tokens, ends, tokenizer, progress)
+    for out in outs:
+        out.text = tokenizer.decode(out.tokens[0], skip_special_tokens=True).strip()
+    return outs
+
+
+@torch.inference_mode()
+def answer_questions_ids(model, context_ids: list[int], questions: list[list[int]], method: Method | str | None = None,
+                         max_new_tokens: int = 32, eos_token_id=None, tokenizer=None,
+                         progress=None) -> list[GenerationOutput]:
+    """`answer_questions` from token ids: one context row, one row of ids per question; `.text` is
+    decoded when `tokenizer` is given. `method` None: the default for this model, as in `generate_ids`."""
+    with refusing():
+        method, default = _resolve(model, method)
+        if not isinstance(questions, (list, tuple)) or not questions:
+            raise InputError("questions must be a non-empty list of token-id rows")
+        for q in questions:
+            validate(model, [context_ids], [q], "agnostic", max_new_tokens, method)
+        if default:
+            _check_tokenizer(method, tokenizer)
+        session = Session(model, 1, method, tokenizer)
+    report = bars_for(progress)
+    try:
+        with watching(session, report, len(context_ids)):
+            session.prefill([list(context_ids)])
+        session.reserve(max(len(q) for q in questions) + max_new_tokens)
+        stats = cache_stats(session, [context_ids], "agnostic")
+        stats["context_tokens"] = stats["context_tokens"][0]
+        snapshot = session.snapshot()
+        outs = []
+        for q in questions:
+            session.restore(snapshot)
+            logits = session.forward([list(q)], decoding=False)
+            out = decode(session, logits, dict(stats), max_new_tokens, eos_token_id, progress=report)
+            if tokenizer is not None and hasattr(tokenizer, "decode"):
+                out.text = tokenizer.decode(out.tokens[0], skip_special_tokens=True).strip()
+            outs.append(out)
+        return outs
+    finally:
+        getattr(report, "close", lambda: None)()
+
+
+def generate(model, tokenizer, context, question, method: Method | str | None = None, max_new_tokens: int = 32,
+             protocol: str = "agnostic", chat_template: bool = True, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
+             streamer=None, prefill_chunk: int | None = None, progress=None) -> GenerationOutput:
+    """Answer `question` about `context` (strings, or equal-length lists run as one batch). Greedy by
+    default; `temperature` > 0 samples (with `top_k`, `top_p`, `seed`). Each row stops at the end of
+    its turn (the tokenizer's eos and, with a chat template, its end-of-turn token) or after the first
+    of the `stop` strings (cut from the text); `streamer` gets a single row's tokens as they come (e.g.
+    `transformers.TextStreamer(tokenizer)`); `prefill_chunk`, `progress`: see `generate_ids`.
+
+    `method`: a `Method`, a name or a spec (`"snapkv:window=8"`); None compresses with the default for
+    this model (`kvmerge.defaults.default_method`: learnedzip where the model has learned-scorer
+    weights, else mixedmerge), at that method's default budget; "full" keeps the whole cache."""
+    if isinstance(context, CompressedContext):
+        with refusing():
+            if not isinstance(question, str):
+                raise ParameterTypeError("a compressed context answers one question str at a time here "
+                                         "(several: kvmerge.answer_questions)")
+            sampling = Sampling(temperature, top_k, top_p, seed)
+        out = from_context(context, context.question_ids(question), max_new_tokens, end_ids(tokenizer, chat_template),
+                           sampling, streamer, stopper(tokenizer, stop), progress)
+        out.text = cut_at_stop(tokenizer.decode(out.tokens[0], skip_special_tokens=True), stop_strings(stop)).strip()
+        return out
+    with refusing():
+        single = isinstance(context, str)
+        if isinstance(context, torch.Tensor) or (not single and context and not isinstance(context[0], str)):
+            raise ParameterTypeError("generate takes text (a str, or a list of str); token ids go to generate_ids")
+        contexts = [context] if single else list(context)
+        questions = [question] if isinstance(question, str) else list(question)
+        if len(contexts) != len(questions):
+            raise InputError(f"{len(contexts)} contexts but {len(questions)} questions")
+        if isinstance(method, str):
+            method = get_method(method)
+        sampling = Sampling(temperature, top_k, top_p, seed)
+        pairs = [split_prompt(tokenizer, c, q, chat_template) for c, q in zip(contexts, questions)]
+    stop, stopped = stop_strings(stop), stopper(tokenizer, stop)
+    out = generate_ids(model, [p[0] for p in pairs], [p[1] for p in pairs], method, max_new_tokens, protocol,
+                       eos_token_id=end_ids(tokenizer, chat_template), tokenizer=tokenizer, sampling=sampling,
+                       streamer=streamer, stop=stopped, prefill_chunk=prefill_chunk, progress=progress)
+    texts = [cut_at_stop(tokenizer.decode(t, skip_special_tokens=True), stop).strip() for t in out.tokens]
+    out.text = texts[0] if single else texts
+    if single:
+        out.stats["context_tokens"] = out.stats["context_tokens"][0]
+    return out
+
+
+# -- the steps ---------------------------------------------------------------------------------
+def _resolve(model, method) -> tuple[Method, bool]:
+    """(the method to run, whether it is the default): None → `default_method(model)`, built; a name
+    or spec → built; a `Method` as it is (`_validate` refuses anything else)."""
+    if method is None:
+        from .defaults import default_method
+
+        return get_method(default_method(model)), True
+    return (get_method(method) if isinstance(method, str) else method), False
+
+
+def _check_tokenizer(method, tokenizer) -> None:
+    """The default method may read sentence ends (mixedmerge): refused in one line without a tokenizer."""
+    if method.needs.tokenizer and tokenizer is None:
+        name = getattr(method, "preset", None) or method.name
+        raise InputError(f"the default method for this model, {name}, needs the model's tokenizer (sentence ends, its "
+                         f"chat template): pass tokenizer=tok, or a method (get_method('full') keeps the whole cache)")
+
+

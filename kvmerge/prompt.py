@@ -1,0 +1,121 @@
+"""A request's input, checked and cut in one place before any forward pass: the prompt's text split
+at the context/question boundary (the chat template applied), the ids' types, the vocabulary, the
+model's positions, the budget against the context, and the prefill chunk (`check_chunk`, the one
+check of a chunk size)."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import ContextTooLongError, InputError, ParameterTypeError
+from .methods import Method
+from .model import max_positions
+from .params import check_params
+
+PROTOCOLS = ("agnostic", "aware")
+END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")  # chat templates' end-of-turn tokens
+
+
+def end_ids(tokenizer, chat_template: bool = True) -> list[int]:
+    """The ids that end an answer: the tokenizer's eos and, when its chat template is used, the
+    template's end-of-turn token (`<|im_end|>`, `<end_of_turn>`, ...) where the vocabulary has one."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        vocab = tokenizer.get_vocab()
+        ids += [vocab[t] for t in END_OF_TURN if t in vocab]
+    return list(dict.fromkeys(ids))
+
+
+def split_prompt(tokenizer, context: str, question: str, chat_template: bool = True):
+    """Tokenize the whole prompt once; split it at the context/question boundary by char offsets."""
+    if not isinstance(context, str) or not isinstance(question, str):
+        raise ParameterTypeError(f"context and question must be strings, got {type(context).__name__} and "
+                                 f"{type(question).__name__} (token ids go to generate_ids)")
+    if not context.strip():
+        raise InputError("empty context: nothing to compress")
+    if tokenizer is None:
+        raise InputError("text needs a tokenizer: pass the one load_model returned")
+    user = f"{context}\n\n{question}"
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                             add_generation_prompt=True)
+        special = False
+    else:
+        text, special = user, True
+    q_start = text.rfind(question) if question else text.rfind(user) + len(user)
+    enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    boundary = sum(1 for (_s, e) in offsets if e <= q_start)
+    return ids[:boundary], ids[boundary:]
+
+
+def as_rows(x, what: str) -> list[list[int]]:
+    if isinstance(x, torch.Tensor):
+        x = x.tolist() if x.dim() == 2 else [x.tolist()]
+    if isinstance(x, str) or not isinstance(x, (list, tuple)):
+        raise ParameterTypeError(f"{what} must be a list of token ids or a list of such lists, got "
+                                 f"{type(x).__name__} (text goes to kvmerge.generate / answer_questions)")
+    if not x:
+        return [[]]
+    return [list(r) for r in x] if isinstance(x[0], (list, tuple)) else [list(x)]
+
+
+def is_ids(x) -> bool:
+    return isinstance(x, torch.Tensor) or (isinstance(x, (list, tuple)) and (not x or not isinstance(x[0], str)))
+
+
+def common_prefix(rows: list[list[int]]) -> list[int]:
+    n = min(map(len, rows))
+    for i in range(n):
+        if any(r[i] != rows[0][i] for r in rows):
+            return rows[0][:i]
+    return rows[0][:n]
+
+
+def validate(model, context_ids, question_ids, protocol, max_new_tokens, method, prefill_chunk=None):
+    """Checked rows → (contexts, questions, protected window); raises a `KVMergeError` on bad input,
+    all before any forward pass: types, vocabulary, the method's parameters, the model's positions,
+    the budget against the context, and what a chunked prefill refuses."""
+    from .capabilities import refusals
+
+    if not isinstance(method, Method):
+        raise ParameterTypeError(f"method must be a kvmerge Method (see kvmerge.get_method), got "
+                                 f"{type(method).__name__}")
+    check_params(method)
+    if protocol not in PROTOCOLS:
+        raise InputError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    contexts, questions = as_rows(context_ids, "context_ids"), as_rows(question_ids, "question_ids")
+    if len(contexts) != len(questions):
+        raise InputError(f"{len(contexts)} contexts but {len(questions)} questions")
+    if any(len(c) == 0 for c in contexts):
+        raise InputError("empty context: nothing to compress")
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    bad = [t for r in contexts + questions for t in r if not (isinstance(t, int) and 0 <= t < vocab)]
+    if bad:
+        raise InputError(f"token id {bad[0]!r} is outside the model's vocabulary [0, {vocab})")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+    limit = max_positions(model)
+    longest = max(len(c) + len(q) for c, q in zip(contexts, questions))
+    if limit and longest + max_new_tokens > limit:
+        raise ContextTooLongError(f"the prompt is {longest:,} tokens and up to {max_new_tokens} more are generated, "
+                                  f"over the model's {limit:,} positions (max_position_embeddings): shorten the "
+                                  f"context to at most {limit - max_new_tokens - (longest - max(map(len, contexts))):,}"
+                                  " tokens or lower max_new_tokens")
+    if prefill_chunk is not None:
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise InputError(f"prefill chunk must be a positive number of tokens, got {prefill_chunk!r}")
+        if prefill_chunk < max(map(len, contexts)) and refusals(method, "chunked"):
+            raise InputError(refusals(method, "chunked")[0])
+    if protocol == "aware":
+        window = max([method.window] + [len(q) for q in questions])
+        contexts, questions = [c + q for c, q in zip(contexts, questions)], [[] for _ in questions]
+    else:
+        window = method.window
+        if any(len(q) == 0 for q in questions):
+            raise InputError("empty question: the agnostic protocol needs question tokens to decode from")
+    for c in contexts:
+        method.target(len(c), window)  # raises early on a budget the context cannot meet
+    return contexts, questions, window
+
