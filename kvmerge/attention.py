@@ -84,20 +84,24 @@ def packed_sdpa(query, key, value, bias=None, scaling=None):
     return out.reshape(b, hq, q, value.shape[-1]).transpose(1, 2)
 
 
-def ragged_sdpa(query, heads, scaling=None):
-    """Attention over KV heads stored at their own lengths: query `(b, hq, q, d)`, `heads` one
-    `(keys (b, 1, s_h, d), values (b, 1, s_h, d), log_n (b, 1, s_h) or None)` per KV head, the last q
-    slots of each the new tokens → `(b, q, hq, d)`; equal to `biased_sdpa` over the heads padded to
-    one length with empty slots."""
-    rep = query.shape[1] // len(heads)
+def ragged_sdpa(query, keys, values, log_n, spans, scaling=None):
+    """Attention over KV heads stored at their own lengths, packed back to back: query `(b, hq, q, d)`,
+    `keys`/`values` `(b, C, d)`, `log_n` `(b, C)` or None (all zeros), `spans` one `(start, length)`
+    per KV head (its held slots, the last q of them the new tokens) → `(b, q, hq, d)`; equal to
+    `biased_sdpa` over the heads padded to one length with empty slots. One SDPA call per KV head on
+    views of the packed buffers (exact: each head's queries see its own keys only)."""
+    rep = query.shape[1] // len(spans)
+    plain = log_n is None and query.shape[2] == 1
     outs = []
-    for i, (key, value, log_n) in enumerate(heads):
+    for i, (start, n) in enumerate(spans):
         part = query[:, i * rep:(i + 1) * rep]
-        if log_n is None and part.shape[2] == 1:
+        key, value = keys[:, None, start:start + n], values[:, None, start:start + n]
+        if plain:
             outs.append(packed_sdpa(part, key, value, None, scaling))
         else:
-            log_n = torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device) if log_n is None else log_n
-            outs.append(biased_sdpa(part, key, value, log_n, scaling))
+            ln = (log_n[:, None, start:start + n] if log_n is not None
+                  else torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device))
+            outs.append(biased_sdpa(part, key, value, ln, scaling))
     return torch.cat(outs, dim=2)
 
 
@@ -106,11 +110,11 @@ def proportional_attention(module, query, key, value, attention_mask, dropout=0.
                            kvmerge_heads=None, **kwargs):
     """Registered as transformers attention `"kvmerge"`. `kvmerge_log_n` `(b, hkv, s)`,
     `kvmerge_window` (a sliding layer's window and positions), `kvmerge_heads` (a layer whose KV heads
-    have their own lengths, see `ragged_sdpa`) and `kvmerge_listener` `(layer_idx, fn)` come from
+    have their own lengths: `MergedLayer.packed()`, see `ragged_sdpa`) and `kvmerge_listener` `(layer_idx, fn)` come from
     `MergedCache.update`; with another cache all are None and this is stock causal SDPA."""
     with torch.profiler.record_function("kvmerge::attention"), fused_kernels(query.device):
         if kvmerge_heads is not None:
-            out = ragged_sdpa(query, kvmerge_heads, scaling)
+            out = ragged_sdpa(query, *kvmerge_heads, scaling)
         else:
             out = _attention(module, query, key, value, attention_mask, dropout, scaling, kvmerge_log_n,
                              kvmerge_window, **kwargs)

@@ -44,7 +44,7 @@ class MergedCache(Cache):
         reach kvmerge's attention through it."""
         layer = self.layers[layer_idx]
         kwargs = {} if kwargs is None else kwargs
-        if layer_idx == 0 and not attention_active() and any(getattr(x, "heads", None) for x in self.layers):
+        if layer_idx == 0 and not attention_active() and any(x.ragged for x in self.layers):
             raise ValueError("this cache stores the KV heads of some layers at different lengths (global per-head "
                              "allocation), which only kvmerge's attention reads: run the model inside "
                              "kvmerge.kvmerge_attention(model)")
@@ -56,9 +56,9 @@ class MergedCache(Cache):
             keys, values, log_n, positions = layer.update(key_states, value_states, self.next_log_n,
                                                           kwargs.get("position_ids"))
             kwargs["kvmerge_window"] = (layer.window, positions, positions[:, -key_states.shape[2]:])
-        elif layer.heads is not None:  # KV heads stored at their own lengths
+        elif layer.ragged:  # KV heads stored at their own lengths, packed
             keys, values = layer.update(key_states, value_states, self.next_log_n)
-            kwargs["kvmerge_heads"] = [(h.keys, h.values, h.log_n) for h in layer.heads]
+            kwargs["kvmerge_heads"] = layer.packed()
             log_n = None
         else:
             keys, values = layer.update(key_states, value_states, self.next_log_n)

@@ -7,11 +7,17 @@ cache is then an ordinary cache and attention takes the stock SDPA path. `seen` 
 appended, so new tokens keep their true positions however few entries remain.
 
 When a compression leaves the KV heads of a layer with different numbers of live slots (global
-per-head allocation), `compact` stores each head at its own length (`heads`: one single-head
-`MergedLayer` per KV head) instead of padding every head to the widest: the empty slots are not
-kept. The layer's `keys`/`values`/`log_n` then read as the padded layout it replaced (its empty
-slots where they were, as zeros with log_n -inf, then what was appended since), so every reader
-sees the same entries at the same slots; appends and kvmerge's attention use the heads directly.
+per-head allocation), `compact` stores each head at its own length instead of padding every head to
+the widest: the empty slots are not kept. The heads then live packed back to back in one buffer per
+tensor, `_pk`/`_pv` `(batch, capacity, head_dim)` and `_pl` `(batch, capacity)` (None: all zeros),
+head i in the segment `[_starts[i], _starts[i] + _caps[i])` of which its first `_lens[i]` slots are
+held (spare capacity at each segment's end, so a decoding step appends to every head with one
+indexed write at `_next` `(kv_heads,)`, the slots `_starts + _lens`). The layer's `keys`/`values`/
+`log_n` then read as the padded layout it replaced (its empty slots where they were, as zeros with
+log_n -inf, then what was appended since), so every reader sees the same entries at the same slots;
+appends and kvmerge's attention (`ragged_sdpa`) use the segments directly. Every tensor of the ragged
+layout is an attribute of its own (no views of one another), so copying the layer's attributes one
+by one copies it; the tuples are replaced, never changed in place.
 """
 
 from __future__ import annotations
@@ -40,14 +46,15 @@ class MergedLayer(DynamicLayer):
     def __init__(self, **kwargs):
         self._keys = self._values = self._log_n = None  # buffers (b, h, capacity, d) and (b, h, capacity)
         self._length = 0
-        self.heads: list[MergedLayer] | None = None  # ragged storage, one layer per KV head (see `compact`)
         self._live, self._kept = None, []  # ragged: (h, width) bool, the padded slots each head keeps; their counts
+        self._pk = self._pv = self._pl = self._next = None  # ragged: packed buffers, next write slots (see above)
+        self._starts = self._lens = self._caps = ()
         super().__init__(**kwargs)
         self.seen = 0
 
     # -- the tensors: views of the buffers ----------------------------------------------------
     def _view(self, name: str) -> torch.Tensor | None:
-        if self.heads is not None:
+        if self._pk is not None:
             return getattr(self.kv(), name)
         buf = getattr(self, "_" + name)
         return None if buf is None else buf[:, :, :self._length]
@@ -78,9 +85,9 @@ class MergedLayer(DynamicLayer):
 
     def reserve(self, slots: int) -> None:
         """Set the buffers' capacity to `slots` (at least the entries held), copying what is held."""
-        if self.heads is not None:  # room for as many appends in every head
-            for head in self.heads:
-                head.reserve(head.entries + slots - self.entries)
+        if self._pk is not None:  # room for as many appends in every head
+            extra = slots - self.entries
+            self._repack(tuple(max(n, n + extra) for n in self._lens))
             return
         if self._keys is None or self._keys.dim() < 4 or slots == self.capacity:
             return
@@ -99,9 +106,8 @@ class MergedLayer(DynamicLayer):
     def update(self, key_states, value_states, new_log_n: torch.Tensor | None = None):
         """Append `(b, h, q, d)` keys/values in place; `new_log_n` `(b, q)` is their log-mass (None: zeros)."""
         b, h, q, _d = key_states.shape
-        if self.heads is not None:
-            for i, head in enumerate(self.heads):
-                head.update(key_states[:, i:i + 1], value_states[:, i:i + 1], new_log_n)
+        if self._pk is not None:
+            self._append_heads(key_states, value_states, new_log_n)
             self.seen += q
             return key_states, value_states
         if not self.is_initialized or self.capacity == 0:
@@ -137,9 +143,9 @@ class MergedLayer(DynamicLayer):
         self._length, self.seen, self.is_initialized = 0, 0, False
 
     def _map_batch(self, fn) -> None:
-        if self.heads is not None:
-            for head in self.heads:
-                head._map_batch(fn)
+        if self._pk is not None:  # every row's segments sit at the same places: map the buffers whole
+            self._pk, self._pv = fn(self._pk), fn(self._pv)
+            self._pl = None if self._pl is None else fn(self._pl)
             return
         log_n = self.log_n
         self.replace(fn(self.keys), fn(self.values), None if log_n is None else fn(log_n), fit=True)
@@ -157,15 +163,18 @@ class MergedLayer(DynamicLayer):
     @property
     def entries(self) -> int:
         """Slots per (batch row, kv head), padding included (ragged heads: as the padded layout)."""
-        if self.heads is not None:
-            return self._live.shape[1] + self.heads[0].entries - self._kept[0]
+        if self._pk is not None:
+            return self._live.shape[1] + self._lens[0] - self._kept[0]
         return 0 if self.keys is None or self.keys.numel() == 0 else self.keys.shape[-2]
 
     @property
     def nbytes(self) -> int:
         """Bytes held: keys, values and log_n (ragged heads: each at its own length)."""
-        if self.heads is not None:  # the heads, and one byte per padded slot saying which each head keeps
-            return sum(head.nbytes for head in self.heads) + self._live.numel()
+        if self._pk is not None:  # the heads' held slots, and one byte per padded slot saying which each head keeps
+            b, _, d = self._pk.shape
+            slot = self._pk.element_size() * d + self._pv.element_size() * self._pv.shape[-1]
+            slot += 0 if self._pl is None else self._pl.element_size()
+            return b * sum(self._lens) * slot + self._live.numel()
         if self.keys is None:
             return 0
         extra = 0 if self.log_n is None else self.log_n.numel() * self.log_n.element_size()
@@ -174,13 +183,12 @@ class MergedLayer(DynamicLayer):
     @property
     def allocated_bytes(self) -> int:
         """Bytes the buffers take, spare capacity included (ragged heads: theirs and the mask)."""
-        if self.heads is not None:
-            return sum(head.allocated_bytes for head in self.heads) + self._live.numel()
-        return sum(x.numel() * x.element_size() for x in (self._keys, self._values, self._log_n) if x is not None)
+        held = (self._pk, self._pv, self._pl, self._live) if self._pk is not None else (self._keys, self._values, self._log_n)
+        return sum(x.numel() * x.element_size() for x in held if x is not None)
 
     def full_log_n(self) -> torch.Tensor:
         """`log_n` materialised (zeros when the cache holds plain tokens only)."""
-        if self.heads is not None:
+        if self._pk is not None:
             return self.kv().log_n
         if self.log_n is not None:
             return self.log_n
@@ -188,14 +196,14 @@ class MergedLayer(DynamicLayer):
         return torch.zeros(b, h, s, dtype=LOG_N_DTYPE, device=self.keys.device)
 
     def kv(self) -> KV:
-        if self.heads is None:
+        if self._pk is None:
             return KV(self.keys, self.values, self.full_log_n())
         parts = []
         width = self._live.shape[1]
-        for head, live, count in zip(self.heads, self._live, self._kept):  # the padded layout, then appends
+        for head, live, count in zip(self._segments(), self._live, self._kept):  # the padded layout, then appends
             at = live.nonzero().squeeze(1)
             part = []
-            for x, fill in zip(head.kv(), (0.0, 0.0, float("-inf"))):
+            for x, fill in zip(head, (0.0, 0.0, float("-inf"))):
                 padded = x.new_full((*x.shape[:2], width + x.shape[2] - count, *x.shape[3:]), fill)
                 padded[:, :, at] = x[:, :, :count]
                 padded[:, :, width:] = x[:, :, count:]
@@ -208,7 +216,7 @@ class MergedLayer(DynamicLayer):
         (e.g. after global per-head allocation) and dropping them saves more than the one-byte-per-slot
         mask costs; → whether it did. The slots dropped are exactly those empty slots, so attention and
         `kv()` are unchanged while `nbytes` falls."""
-        if self.heads is not None or self._log_n is None or self.entries == 0:
+        if self._pk is not None or self._log_n is None or self.entries == 0:
             return False
         kv = self.kv()
         live = ~torch.isinf(kv.log_n).all(0)  # (h, s): a slot some row still uses
@@ -217,21 +225,111 @@ class MergedLayer(DynamicLayer):
                                          + kv.values.shape[-1] * kv.values.element_size() + kv.log_n.element_size())
         if (live.numel() - sum(counts)) * slot_bytes <= live.numel():  # saves less than the mask costs
             return False
-        heads = []
-        for i, keep in enumerate(live):
-            idx = keep.nonzero().squeeze(1)
+        flat = live.flatten().nonzero().squeeze(1)  # head by head, in slot order
+        keys, values, log_n = (x.flatten(1, 2).index_select(1, flat) for x in kv)
+        self._live, self._kept = live, counts
+        self._set_packed(keys, values, None if bool((log_n == 0).all()) else log_n, tuple(counts))
+        return True
+
+    # -- ragged heads: packed segments ------------------------------------------------------------
+    @property
+    def ragged(self) -> bool:
+        """Whether the KV heads are stored at their own lengths (packed segments)."""
+        return self._pk is not None
+
+    @property
+    def heads(self) -> list[MergedLayer] | None:
+        """Ragged storage: one single-head layer per KV head, viewing its segment (for readers: writing
+        to them does not write the layer); otherwise None."""
+        if self._pk is None:
+            return None
+        out = []
+        for keys, values, log_n in self._segments():
             head = MergedLayer()
-            head.is_initialized, head.device, head.seen = True, kv.keys.device, self.seen
-            head.replace(*(x[:, i:i + 1, idx] for x in kv), fit=True)
-            heads.append(head)
-        self.heads, self._live, self._kept = heads, live, counts
+            head.is_initialized, head.device, head.seen = True, keys.device, self.seen
+            head._keys, head._values, head._length = keys, values, keys.shape[2]
+            head._log_n = None if self._pl is None else log_n
+            out.append(head)
+        return out
+
+    @heads.setter
+    def heads(self, heads: list[MergedLayer] | None) -> None:
+        """Store single-head layers (each its own length) packed; None: leave the ragged storage. The
+        padded layout's `_live`/`_kept` are the caller's to set."""
+        if heads is None:
+            self._pk = self._pv = self._pl = self._next = None
+            self._starts = self._lens = self._caps = ()
+            return
+        lens = tuple(head.entries for head in heads)
+        keys, values = (torch.cat([getattr(head, name)[:, 0] for head in heads], 1) for name in ("keys", "values"))
+        log_n = (torch.cat([head.full_log_n()[:, 0] for head in heads], 1)
+                 if any(head.log_n is not None for head in heads) else None)
+        self._set_packed(keys, values, log_n, lens)
+        self.seen = max(head.seen for head in heads)
+
+    def _set_packed(self, keys, values, log_n, lens: tuple) -> None:
+        """Become ragged: `keys`/`values` `(b, Σ lens, d)` and `log_n` `(b, Σ lens)` (or None) hold the
+        heads back to back, each head's segment exactly its `lens` slots (no spare capacity)."""
         self._keys = self._values = self._log_n = None
         self._length = 0
-        return True
+        self._pk, self._pv = keys.contiguous(), values.contiguous()
+        self._pl = None if log_n is None else log_n.to(LOG_N_DTYPE).contiguous()
+        self._lens = self._caps = lens
+        self._starts = tuple(sum(lens[:i]) for i in range(len(lens)))
+        self._next = torch.tensor([s + n for s, n in zip(self._starts, lens)], device=keys.device)
+
+    def _segments(self):
+        """Each KV head's held slots: `(keys (b, 1, n, d), values (b, 1, n, d), log_n (b, 1, n))`, views."""
+        for s, n in zip(self._starts, self._lens):
+            log_n = (self._pl[:, None, s:s + n] if self._pl is not None
+                     else torch.zeros(self._pk.shape[0], 1, n, dtype=LOG_N_DTYPE, device=self._pk.device))
+            yield self._pk[:, None, s:s + n], self._pv[:, None, s:s + n], log_n
+
+    def _repack(self, caps: tuple) -> None:
+        """Segments of `caps` slots each (at least the slots held), the held slots copied."""
+        if caps == self._caps:
+            return
+        caps = tuple(max(c, n) for c, n in zip(caps, self._lens))
+        starts = tuple(sum(caps[:i]) for i in range(len(caps)))
+        src = torch.cat([torch.arange(s, s + n) for s, n in zip(self._starts, self._lens)]).to(self._pk.device)
+        dst = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, self._lens)]).to(self._pk.device)
+
+        def moved(buf):
+            if buf is None:
+                return None
+            out = buf.new_zeros(buf.shape[0], sum(caps), *buf.shape[2:])
+            return out.index_copy_(1, dst, buf.index_select(1, src))
+
+        self._pk, self._pv, self._pl = moved(self._pk), moved(self._pv), moved(self._pl)
+        self._starts, self._caps = starts, caps
+        self._next = torch.tensor([s + n for s, n in zip(starts, self._lens)], device=self._pk.device)
+
+    def _append_heads(self, key_states, value_states, new_log_n) -> None:
+        """Ragged: append `(b, h, q, d)` to every head's segment, one indexed write per buffer."""
+        b, h, q, d = key_states.shape
+        if any(n + q > c for n, c in zip(self._lens, self._caps)):
+            self._repack(tuple(max(n + q, 2 * c) for n, c in zip(self._lens, self._caps)))
+        at = self._next if q == 1 else (self._next[:, None] + torch.arange(q, device=self._next.device)).flatten()
+        self._pk.index_copy_(1, at, key_states.reshape(b, h * q, d))
+        self._pv.index_copy_(1, at, value_states.reshape(b, h * q, value_states.shape[-1]))
+        if new_log_n is not None and self._pl is None:
+            self._pl = torch.zeros(self._pk.shape[:2], dtype=LOG_N_DTYPE, device=self._pk.device)
+        if self._pl is not None:
+            if new_log_n is None:
+                self._pl.index_fill_(1, at, 0.0)
+            else:
+                self._pl.index_copy_(1, at, new_log_n.to(self._pl.device, LOG_N_DTYPE).repeat(1, h))
+        self._next = self._next + q
+        self._lens = tuple(n + q for n in self._lens)
+
+    def packed(self):
+        """Ragged: `(keys (b, C, d), values (b, C, d), log_n (b, C) or None, spans)`, `spans` one
+        `(start, length)` per KV head, what `ragged_sdpa` reads."""
+        return self._pk, self._pv, self._pl, tuple(zip(self._starts, self._lens))
 
     def _dense(self) -> None:
         """Back to one padded buffer (before any operation that writes the whole layer)."""
-        if self.heads is not None:
+        if self._pk is not None:
             kv = self.kv()
             self.heads, self._live = None, None
             self._keys, self._values, self._log_n, self._length = kv.keys, kv.values, kv.log_n, kv.slots
