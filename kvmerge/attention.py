@@ -89,19 +89,23 @@ def ragged_sdpa(query, keys, values, log_n, spans, scaling=None):
     `keys`/`values` `(b, C, d)`, `log_n` `(b, C)` or None (all zeros), `spans` one `(start, length)`
     per KV head (its held slots, the last q of them the new tokens) → `(b, q, hq, d)`; equal to
     `biased_sdpa` over the heads padded to one length with empty slots. One SDPA call per KV head on
-    views of the packed buffers (exact: each head's queries see its own keys only)."""
-    rep = query.shape[1] // len(spans)
-    plain = log_n is None and query.shape[2] == 1
+    views of the packed buffers (exact: each head's queries see its own keys only, nothing copied)."""
+    b, hq, q, d = query.shape
+    hkv = len(spans)
+    rep = hq // hkv
+    if q == 1 and (log_n is None or not decode_kernel.available(query)):  # a decoding step
+        grouped = query.reshape(b, hkv, rep, d)  # each KV head's query heads as its queries (GQA)
+        bias = None if log_n is None else log_n.to(query.dtype)[:, None, None]
+        outs = [F.scaled_dot_product_attention(grouped[:, i:i + 1], keys[:, None, s:s + n], values[:, None, s:s + n],
+                                               attn_mask=None if bias is None else bias[..., s:s + n], scale=scaling)
+                for i, (s, n) in enumerate(spans)]
+        return torch.cat(outs, dim=1).reshape(b, hq, 1, values.shape[-1]).transpose(1, 2)
     outs = []
-    for i, (start, n) in enumerate(spans):
-        part = query[:, i * rep:(i + 1) * rep]
+    for i, (start, n) in enumerate(spans):  # a chunk (causal over its tokens), or the GPU's decoding kernel
         key, value = keys[:, None, start:start + n], values[:, None, start:start + n]
-        if plain:
-            outs.append(packed_sdpa(part, key, value, None, scaling))
-        else:
-            ln = (log_n[:, None, start:start + n] if log_n is not None
-                  else torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device))
-            outs.append(biased_sdpa(part, key, value, ln, scaling))
+        ln = (log_n[:, None, start:start + n] if log_n is not None
+              else torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device))
+        outs.append(biased_sdpa(query[:, i * rep:(i + 1) * rep], key, value, ln, scaling))
     return torch.cat(outs, dim=2)
 
 
