@@ -3,7 +3,7 @@ what it does, its cost class, where it runs and its parameters, built from the m
 
 Building it imports the methods (and so torch, over a second). The rows are cached as JSON under
 `$KVMERGE_CACHE`, keyed by a hash of kvmerge's own source files, so a later `kvmerge methods` reads
-them without importing torch; any edit to a method, a preset or the capabilities makes a new key.
+them without importing torch; any edit to a method, a preset or a runtime makes a new key.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 from .spec import parse_spec
 
-RUNTIME_NAMES = {"transformers": "transformers", "chunked": "chunked", "vllm": "vLLM"}
-SHORT_RUNTIME_NAMES = {"transformers": "hf", "chunked": "chunked", "vllm": "vLLM"}
+RUNTIME_NAMES = {"transformers": "transformers", "vllm": "vLLM"}  # `Runtime.name` → shown (transformers: one-shot
+SHORT_RUNTIME_NAMES = {"transformers": "hf", "vllm": "vLLM"}       # and chunked prefill alike)
 SHORT = {  # the table's line per method (`kvmerge methods NAME` shows the whole description)
     "cam": "H2O's picks; evicted values merged ahead",
     "centroidkv": "similar keys merged into centroids",
@@ -119,11 +119,12 @@ def build() -> list[dict]:
     (name, default, type) of each method built with its defaults."""
     from dataclasses import MISSING, fields
 
-    from .capabilities import RUNTIMES, refusals
-    from .params import accepted_names
     from .methods import get_method
     from .methods.presets import PRESETS
     from .methods.registry import _REGISTRY, old_names
+    from .params import accepted_names
+    from .runtime import SessionRuntime
+    from .vllm.runtime import VllmRuntime
 
     presets = {p.name: p for p in PRESETS}
     out = []
@@ -145,7 +146,7 @@ def build() -> list[dict]:
             out.append(row)
             continue
         row["second_pass"] = bool(method.needs.second_pass)
-        row["refusals"] = {r: refusals(method, r) for r in RUNTIMES}
+        row["refusals"] = {r.name: r.refusals(method) for r in (SessionRuntime, VllmRuntime)}
         row["where"] = {r: not reasons for r, reasons in row["refusals"].items()}
         for f in fields(method):
             if f.init:
@@ -198,7 +199,7 @@ def table(width: int | None = None) -> str:
               "naming `kvmerge train-scorer --model PATH`.", "* recommended (README: which method to pick).",
               "kind: method, preset (a method with other defaults), part (experimental: a piece of a preset, not "
               "meant alone). cost: one pass = scored during the prefill; 2nd pass = another forward over the context "
-              "before compressing. runs in: hf = transformers (one-shot), chunked (--prefill-chunk), vLLM (the plugin).",
+              "before compressing. runs in: hf = transformers (one-shot and with --prefill-chunk), vLLM (the plugin).",
               "kvmerge methods NAME: the whole description, old names, parameters and refusals."]
     return "\n".join([*lines, "", *(line for text in legend for line in textwrap.wrap(text, width,
                                                                                        break_on_hyphens=False))])

@@ -311,9 +311,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    from . import commands
+    from . import commands, context_commands
 
-    return getattr(commands, args.command.replace("-", "_"))(args)
+    name = args.command.replace("-", "_")
+    return getattr(context_commands if name in context_commands.COMMANDS else commands, name)(args)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .context_commands import ask, compress, inspect  # noqa: F401 - `kvmerge compress`, `ask`, `inspect`
-from .errors import InputError, UnknownNameError, UnsupportedError, suggest
+from .errors import InputError, UnknownNameError, UnsupportedError, check_chunk, suggest
 from .spec import parse_spec
 
 
@@ -52,8 +51,8 @@ def read_text(name: str, what: str = "--context") -> str:
     return text
 
 
-def protected(spec: str) -> int:
-    """sinks + window of the method `spec` names, from the methods table (no torch)."""
+def protected(spec: str) -> tuple[int, int]:
+    """(sinks, window) of the method `spec` names, from the methods table (no torch)."""
     import ast
 
     from . import catalog
@@ -62,7 +61,7 @@ def protected(spec: str) -> int:
     row = catalog.row(name)
     defaults = {p: d for p, d, _t, _a in row["params"]} if row else {}
     value = {k: params.get(k, ast.literal_eval(defaults.get(k, "0"))) for k in ("sinks", "window")}
-    return sum(v for v in value.values() if isinstance(v, int))
+    return tuple(v if isinstance(v, int) else 0 for v in (value["sinks"], value["window"]))
 
 
 def method(spec: str, budget=None, chunk: int | None = None):
@@ -72,13 +71,13 @@ def method(spec: str, budget=None, chunk: int | None = None):
     from . import catalog
 
     catalog.check_spec(spec)
-    keep = protected(spec)
+    sinks, window = protected(spec)
+    keep = sinks + window
     if isinstance(budget, int) and budget < keep and parse_spec(spec)[0] != "full":
         raise InputError(f"--budget {budget} entries is below the {keep} tokens every method keeps (the first and "
                          f"the last ones); a fraction of the context is written with a point, e.g. 1.0 or 0.25")
-    if chunk is not None and chunk < keep and parse_spec(spec)[0] != "full":
-        raise InputError(f"--prefill-chunk {chunk} is below the protected first and last tokens ({keep}): every "
-                         f"chunk would be kept whole; use at least {keep}")
+    if chunk is not None and parse_spec(spec)[0] != "full":
+        check_chunk(chunk, sinks, window, "--prefill-chunk")
 
     from .errors import refusing
     from .params import check_params
@@ -101,23 +100,13 @@ def model_name(name) -> None:
     check_model_name(name)
 
 
-def runs_here(m, model, chunk: int | None, text_chars: int | None = None) -> None:
-    """Refuse what this method cannot do with these options: a chunked prefill it refuses (or a
-    chunk below its protected tokens), `sliding` on a model without sliding-window layers."""
+def runs_here(m, model) -> None:
+    """Refuse what this method cannot do with these options: `sliding` on a model without
+    sliding-window layers."""
     from .model import DEFAULT_MODEL, has_sliding_layers
 
-    if chunk is not None and m.name != "full":
-        from .capabilities import refusals
-
-        if chunk < m.sinks + m.window:
-            raise InputError(f"--prefill-chunk {chunk} is below the protected sinks + window ({m.sinks} + "
-                             f"{m.window}): every chunk would be kept whole; use at least {m.sinks + m.window}")
-        reasons = refusals(m, "chunked")
-        if reasons and (text_chars is None or chunk < text_chars):
-            raise UnsupportedError(f"{reasons[0]}; drop --prefill-chunk, or pick a method that runs chunked "
-                                   "(`kvmerge methods`: runs in)")
     if m.sliding is not None and has_sliding_layers(model) is False:
-        raise UnsupportedError(f"{getattr(m, 'preset', None) or m.name}: sliding={m.sliding} shortens sliding-window layers, and "
+        raise UnsupportedError(f"{m.label}: sliding={m.sliding} shortens sliding-window layers, and "
                                f"{model or DEFAULT_MODEL} has none: drop :sliding, or use a model with sliding-window "
                                "layers (e.g. --model gemma3-270m)")
 
@@ -158,9 +147,9 @@ def generate(args) -> int:
     if spec is not None:
         name, params = parse_spec(spec)
         if params.get("sliding") is not None:  # refused before torch loads, where it can be
-            runs_here(argparse.Namespace(name=name, sliding=params["sliding"]), args.model, None)
+            runs_here(argparse.Namespace(name=name, sliding=params["sliding"], label=name), args.model)
         m = method(spec, args.budget, args.prefill_chunk)
-        runs_here(m, args.model, args.prefill_chunk, len(text))
+        runs_here(m, args.model)
     device(args.device)
 
     from transformers import TextStreamer
@@ -176,7 +165,7 @@ def generate(args) -> int:
         from .defaults import default_method
 
         m = method(default_method(model), args.budget, args.prefill_chunk)
-        runs_here(m, args.model, args.prefill_chunk, len(text))
+        runs_here(m, args.model)
     bars = None if args.no_progress else ProgressBars(decode=not sys.stdout.isatty())
     out = run(model, tok, text, args.question, m, args.max_new_tokens, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
@@ -246,7 +235,7 @@ def eval(args) -> int:  # noqa: A001 - the command's name
             read_text(args.text, "--text")
     for spec in args.methods:
         m = method(spec, args.budgets[0], args.prefill_chunk)
-        runs_here(m, args.model, args.prefill_chunk)
+        runs_here(m, args.model)
     from .model import load_model
 
     runner, report = _eval("runner"), _eval("report")

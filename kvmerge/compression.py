@@ -178,7 +178,7 @@ def compressing(model, method: Method | str | None = None, tokenizer=None, **par
             raise ParameterTypeError(f"method must be a name or a kvmerge Method, got {type(method).__name__}")
         check_params(method)
         if method.needs.tokenizer and tokenizer is None:
-            name = getattr(method, "preset", None) or method.name
+            name = method.label
             raise InputError(f"{name} needs the model's tokenizer (sentence ends, its chat template): pass "
                              f"tokenizer=tok to kvmerge.compressing")
     compressor = Compressor(model, method, tokenizer)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from .errors import InputError
 
+COMMANDS = ("compress", "ask", "inspect")  # `kvmerge NAME`, dispatched here by the command line
+
 
 def _file(name: str) -> tuple[Path, dict]:
     """The file and its metadata, checked before any model loads."""
@@ -47,7 +49,7 @@ def compress(args) -> int:
     if not out.parent.exists():
         raise InputError(f"--out {args.out}: no folder {str(out.parent)!r}")
     if args.method is not None:  # checked before the model loads
-        runs_here(method(args.method, args.budget, args.prefill_chunk), args.model, args.prefill_chunk, len(text))
+        runs_here(method(args.method, args.budget, args.prefill_chunk), args.model)
     model, tok = _model_of(args)
     from .context import compress_context
     from .defaults import default_method

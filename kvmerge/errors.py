@@ -65,3 +65,13 @@ def refusing():
         raise ParameterTypeError(str(e)) from e
     except ValueError as e:
         raise InputError(str(e)) from e
+
+
+def check_chunk(chunk, sinks: int = 0, window: int = 0, what: str = "prefill chunk") -> None:
+    """The one check of a prefill chunk size: a whole number of tokens ≥ 1, and at least the `sinks`
+    + `window` tokens a method protects (0 for none), else every chunk would be kept whole."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise InputError(f"{what} must be a positive number of tokens, got {chunk!r}")
+    if chunk < sinks + window:
+        raise InputError(f"{what} {chunk} is below the protected sinks + window ({sinks} + {window}): every chunk "
+                         f"would be kept whole; use at least {sinks + window}")

@@ -197,7 +197,7 @@ def _resolve(model, method) -> tuple[Method, bool]:
 def _check_tokenizer(method, tokenizer) -> None:
     """The default method may read sentence ends (mixedmerge): refused in one line without a tokenizer."""
     if method.needs.tokenizer and tokenizer is None:
-        name = getattr(method, "preset", None) or method.name
+        name = method.label
         raise InputError(f"the default method for this model, {name}, needs the model's tokenizer (sentence ends, its "
                          f"chat template): pass tokenizer=tok, or a method (get_method('full') keeps the whole cache)")
 

@@ -1,16 +1,78 @@
-"""One layer planner for every runtime: the target rule, each layer's `LayerContext`, and global
-allocation. Pure functions of what the runtime holds; `Session.compress` (transformers, one-shot and
-chunked) and the vLLM plugin (`kvmerge.vllm.compress`) build every context here."""
+"""The planner: how every runtime compresses. `compress_layers` takes a method, the layers a runtime
+holds and what it knows of the rows (`View`), and does the whole compression: the target rule, the
+method's `prepare` and `plan`, each layer's `LayerContext`, global allocation, scores carried under a
+chunked prefill, and each layer's result written back. `Session.compress` (transformers, one-shot and
+chunked) and `kvmerge.vllm.compress.compress_prompt` (one prompt, one layer) both call it.
+
+A layer is anything with `kv()` → `KV`, `replace(keys, values, log_n)`, `map_rows(fn)` (fn on dense
+groups of rows, see `MergedLayer.map_rows`), `compact()`, `entries` and `seen`: a `MergedLayer`, or
+`Entries` (one batch of entries as tensors).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from .methods.base import LayerContext, LayerState, Method
-from .ops.scores import global_counts
+from .allocation import Allocation, is_global
+from .methods.base import LayerContext, LayerState, Method, carry_all
+from .ops.kv import KV
+from .sliding import hold_sliding
+
+
+@dataclass
+class View:
+    """What a runtime knows of the `batch` rows it compresses. Per row `(batch,)`: `seen` tokens seen,
+    `plain` trailing slots that are plain tokens not yet compressed, `captured` real tokens among each
+    layer's captured queries (`LayerState.queries`). `window`: the protected recent tokens; `scaling`:
+    the model's factor on q·k; `token_rows` each row's prompt ids; `surprisal` `(batch, width)` their
+    −log p, left-padded; `running`: a chunked prefill (the target grows with the tokens seen);
+    `target`: a runtime's own count per head (vLLM's block layout), else the target rule's. `layers`:
+    each layer's index in the model (what `prepare` and `runtime.scratch` take), `positions`: its index
+    among the `num_layers` compressed layers (what `LayerContext.layer_idx` says); both default to 0,
+    1, ... `model_layers`: every layer of the model's cache, the sliding-window ones `method.sliding`
+    shortens included (None: none to shorten). `extra`, the entries the sliding share adds to every
+    target, is the planner's to set."""
+
+    seen: torch.Tensor
+    plain: torch.Tensor
+    captured: torch.Tensor
+    window: int
+    scaling: float
+    token_rows: list[list[int]] | None = None
+    surprisal: torch.Tensor | None = None
+    running: bool = False
+    target: int | None = None
+    layers: list[int] | None = None
+    positions: list[int] | None = None
+    num_layers: int | None = None
+    model_layers: list | None = None
+    extra: int = 0
+
+
+class Entries:
+    """One layer's entries of a batch held as a `KV`, the simplest layer the planner compresses: every
+    row dense, of one length."""
+
+    def __init__(self, kv: KV):
+        self._kv, self.seen = kv, kv.slots
+
+    def kv(self) -> KV:
+        return self._kv
+
+    @property
+    def entries(self) -> int:
+        return self._kv.slots
+
+    def replace(self, keys, values, log_n) -> None:
+        self._kv = KV(keys, values, log_n)
+
+    def map_rows(self, fn) -> None:
+        self.replace(*fn(self._kv, torch.arange(self._kv.keys.shape[0])))
+
+    def compact(self) -> bool:
+        return False
 
 
 def target_rule(method: Method, n: int, seen: int, window: int, running: bool = False, extra: int = 0) -> int:
@@ -22,64 +84,79 @@ def target_rule(method: Method, n: int, seen: int, window: int, running: bool = 
     return min(want + extra, n)
 
 
-def plan_layer(method: Method, layer_idx: int, num_layers: int, kv, rows: torch.Tensor, *, target: int, window: int,
-               scaling: float, seen: int, fresh: int, queries: torch.Tensor | None = None, captured: int | None = None,
-               token_rows: list[list[int]] | None = None, surprisal: torch.Tensor | None = None,
-               state: LayerState | None = None, alloc=None) -> LayerContext:
-    """The `LayerContext` of layer `layer_idx` (of `num_layers` compressed) for the batch `rows` of a
-    cache `kv` (`KV` of those rows): `queries` `(batch, hq, n, d)` are every row's captured queries
-    (the last `captured` of which are real for all `rows`; the method sees at most its
-    `needs.queries`), `token_rows` every row's prompt ids and `surprisal` `(batch, width)` their
-    surprisal, left-padded; the method sees the ids and surprisal of the last `fresh` tokens (the
-    plain ones not yet compressed). `alloc`: this layer's global allocation (scores, counts)."""
+@torch.no_grad()
+def compress_layers(method: Method, runtime, layers: list, states: list[LayerState], view: View) -> torch.Tensor:
+    """Compress `layers` (each with its request state in `states`) with `method` on `runtime`; → `(batch,)`
+    bool, the rows some layer compressed. Raises before changing anything when a global allocation
+    meets padded rows or a decode policy."""
+    num = view.num_layers or len(layers)
+    positions = view.positions or list(range(len(layers)))
+    n, seen = layers[0].entries, int(view.seen.max())
+    rows, dense = torch.arange(len(view.seen)), len(set(view.seen.tolist())) == 1  # dense: no batch padding
+    if is_global(method) and (not dense or method.needs.decode_policy):
+        raise ValueError(f"{method.name}: alloc={method.alloc!r} spreads one budget over every layer at once, so it "
+                         "needs rows without padding (one row, or rows of one length) and a method without a decode "
+                         "policy")
+    method.prepare_all(runtime, view.token_rows, view.layers or positions)  # a second pass sees the whole cache,
+    if method.sliding is not None and view.model_layers is not None:  # then the sliding share shortens it
+        view.extra = hold_sliding(view.model_layers, layers, method, view.seen.tolist())
+    # under a chunked prefill a global allocation's layers differ in width: the budget is the tokens'
+    target = view.target if view.target is not None else target_rule(
+        method, seen if view.running and is_global(method) else n, seen, view.window, view.running, view.extra)
+    method.plan(layers, states, LayerContext(
+        layer_idx=-1, num_layers=num, target=target, sinks=method.sinks, window=view.window, scaling=view.scaling,
+        rows=rows, surprisal=None if view.surprisal is None or not dense else view.surprisal[:, -n:]))
+    allocation = None
+    if is_global(method):  # every layer scored first, one at a time: a layer's copies are freed once scored
+        allocation = Allocation.of(method, ((kv, layer_context(method, view, p, num, kv, rows, state)) for p, kv, state
+                                            in zip(positions, (layer.kv() for layer in layers), states)), target, view.window)
+    compressed = torch.zeros(len(view.seen), dtype=torch.bool)
+    for j, (p, layer, state) in enumerate(zip(positions, layers, states)):
+        state.targets = torch.zeros(len(view.seen), dtype=torch.long)
+        state.scaling, state.extra = view.scaling, view.extra
+        alloc = None if allocation is None else allocation.layer(j)
+        if alloc is None:
+            layer.map_rows(lambda kv, r, p=p, state=state: _compress(method, view, p, num, kv, r, state, None, compressed))
+        else:  # every row at once: the allocation ranked the whole layout, empty slots included (−inf)
+            layer.replace(*_compress(method, view, p, num, layer.kv(), rows, state, alloc, compressed))
+        state.compressed_at = layer.seen
+        if not method.needs.decode_policy:  # heads left at different lengths are stored at their own,
+            layer.compact()  # layer by layer: one padded layout at a time
+    return compressed
+
+
+def _compress(method, view, position, num, kv, rows, state, alloc, compressed) -> KV:
+    """One layer's rows `rows` (`kv` of those rows) compressed; marks them in `compressed` when smaller."""
+    ctx = layer_context(method, view, position, num, kv, rows, state, alloc)
+    keep = method.layer_target(ctx) if alloc is None else int(alloc[1].max())
+    state.targets[rows] = keep
+    smaller = keep < kv.slots if alloc is None else bool((alloc[1] < kv.slots).any())
+    compressed[rows] |= smaller
+    if not smaller and view.running and kv.slots:  # kept whole: scores a later chunk cannot recompute
+        carry_all(method, kv, ctx)
+    return method.compress(*kv, ctx) if smaller and kv.slots else kv
+
+
+def layer_context(method: Method, view: View, position: int, num_layers: int, kv: KV, rows: torch.Tensor,
+                  state: LayerState, alloc=None) -> LayerContext:
+    """The `LayerContext` of compressed layer `position` (of `num_layers`) for the batch `rows` of a
+    cache `kv` (`KV` of those rows): the method sees at most its `needs.queries` of the layer's captured
+    queries (the last `view.captured` of which are real for all `rows`), and the ids and surprisal of
+    the last `fresh` tokens (the plain ones not yet compressed). `alloc`: this layer's global
+    allocation (scores, counts)."""
+    seen = int(view.seen[rows].max())
+    fresh = min(kv.slots, int(view.plain[rows].min()))
+    queries = state.queries
     if queries is not None:
-        keep = queries.shape[2] if captured is None else min(captured, queries.shape[2])
-        wanted = method.needs.queries
-        keep = keep if wanted < 0 else min(keep, wanted)
+        keep = min(int(view.captured[rows].min()), queries.shape[2])
+        keep = keep if method.needs.queries < 0 else min(keep, method.needs.queries)
         queries = queries[rows][:, :, queries.shape[2] - keep:]
-    device = kv.keys.device
+    target = view.target if view.target is not None else target_rule(method, kv.slots, seen, view.window,
+                                                                      view.running, view.extra)
+    device, token_rows, surprisal = kv.keys.device, view.token_rows, view.surprisal
     return LayerContext(
-        layer_idx=layer_idx, num_layers=num_layers, target=target, sinks=method.sinks, window=window,
-        scaling=scaling, queries=queries, rows=rows, state=state, values=kv.values, seen=seen, alloc=alloc,
+        layer_idx=position, num_layers=num_layers, target=target, sinks=method.sinks, window=view.window,
+        scaling=view.scaling, queries=queries, rows=rows, state=state, values=kv.values, seen=seen, alloc=alloc,
         token_ids=None if token_rows is None else torch.tensor(
             [token_rows[int(b)][len(token_rows[int(b)]) - fresh:] for b in rows], device=device),
         surprisal=None if surprisal is None else surprisal[rows][:, -fresh:].to(device))
-
-
-@dataclass
-class Allocation:
-    """Global allocation (`ScoringMethod.alloc` "layer", "head" or "fit"): every compressed layer is
-    scored first, then one budget is spread over layers and KV heads by those scores (with the
-    method's `floor`). `scores[i]` `(b, h, s)` and `counts[i]` `(b, h)`: layer i's scores and the
-    entries each of its heads keeps (`LayerContext.alloc`)."""
-
-    scores: list[torch.Tensor]
-    counts: list[torch.Tensor]
-
-    @classmethod
-    def of(cls, method, contexts: Iterable[tuple], target: int, window: int) -> Allocation:
-        """`contexts`: per layer `(kv, ctx)` of every row, an iterable read once (a generator keeps one
-        layer's tensors alive at a time); `target`: the uniform count per head. Empty
-        slots (a head's padding from an earlier global compression: log-mass −inf) score −inf, so
-        that no head keeps one while it has an entry (a chunked prefill compresses such a cache again)."""
-        check_global(method)
-        scores = [method.scores(kv.keys, kv.log_n, ctx).masked_fill(torch.isneginf(kv.log_n), float("-inf"))
-                  for kv, ctx in contexts]
-        return cls(scores, global_counts(scores, target, method.sinks, window, method.alloc, method.floor))
-
-    def layer(self, i: int):
-        return self.scores[i], self.counts[i]
-
-
-def check_global(method) -> None:
-    """Raise unless `method` keeps its highest-scored entries (or merges the rest into them) with
-    the same budget rule in every layer: what global allocation ranks."""
-    own = method.requires.layer_counts or any(p.requires.layer_counts for p in method.parts())
-    if not getattr(method, "allocates", False) or own:
-        raise ValueError(f"{method.name}: alloc={method.alloc!r} applies to methods that keep their highest-scored "
-                         "entries (and evictmerge, which merges the rest into them); this one compresses "
-                         "otherwise, or sets its own per-layer budgets")
-
-
-def is_global(method) -> bool:
-    return getattr(method, "alloc", "uniform") != "uniform"

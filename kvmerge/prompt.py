@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ContextTooLongError, InputError, ParameterTypeError
+from .errors import ContextTooLongError, InputError, ParameterTypeError, check_chunk
 from .methods import Method
 from .model import max_positions
 from .params import check_params
@@ -76,9 +76,7 @@ def common_prefix(rows: list[list[int]]) -> list[int]:
 def validate(model, context_ids, question_ids, protocol, max_new_tokens, method, prefill_chunk=None):
     """Checked rows → (contexts, questions, protected window); raises a `KVMergeError` on bad input,
     all before any forward pass: types, vocabulary, the method's parameters, the model's positions,
-    the budget against the context, and what a chunked prefill refuses."""
-    from .capabilities import refusals
-
+    the budget against the context, and the prefill chunk's size."""
     if not isinstance(method, Method):
         raise ParameterTypeError(f"method must be a kvmerge Method (see kvmerge.get_method), got "
                                  f"{type(method).__name__}")
@@ -104,10 +102,7 @@ def validate(model, context_ids, question_ids, protocol, max_new_tokens, method,
                                   f"context to at most {limit - max_new_tokens - (longest - max(map(len, contexts))):,}"
                                   " tokens or lower max_new_tokens")
     if prefill_chunk is not None:
-        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise InputError(f"prefill chunk must be a positive number of tokens, got {prefill_chunk!r}")
-        if prefill_chunk < max(map(len, contexts)) and refusals(method, "chunked"):
-            raise InputError(refusals(method, "chunked")[0])
+        check_chunk(prefill_chunk)
     if protocol == "aware":
         window = max([method.window] + [len(q) for q in questions])
         contexts, questions = [c + q for c, q in zip(contexts, questions)], [[] for _ in questions]

@@ -1,15 +1,23 @@
-"""The runtime interface a method sees in `setup` and `prepare`: what it may ask for, never the session
-or the model object. `Runtime` offers what every runtime has (the tokenizer, the rotary embedding, a
-memo); `SessionRuntime` adds the transformers runtime's second pass over the context (`probe`) for
-methods that declare `Needs.second_pass`.
+"""Runtimes: where a method runs, and the interface it sees in `setup` and `prepare` (what it may ask
+for, never the session or the model object). Each runtime declares what it offers as a `Needs`
+(`offers`) and why it lacks the rest (`lacks`); a method runs there when every need it declares is
+offered, and is refused with one reason per missing need otherwise (`refusals`). A new runtime is one
+subclass. `SessionRuntime` is the transformers runtime (one-shot and chunked prefill: it offers
+everything); the vLLM plugin's is `kvmerge.vllm.runtime.VllmRuntime`.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import fields
+from typing import ClassVar
 
 import torch
+
+from .methods.base import Needs
+
+EVERYTHING = Needs(**{f.name: -1 if f.name == "queries" else True for f in fields(Needs)})
 
 
 class Runtime:
@@ -17,8 +25,42 @@ class Runtime:
     `(n, head_dim)` float32, the model's own RoPE of its full-attention layers; None where unknown),
     `scaling` (the model's factor on q·k), `config` (the model's transformers config, read only: its
     shapes) and `memo`, a dict for what a method computed from the cache as it is now (kept across
-    methods compressing one prefill). The second-pass calls raise: a runtime without one refuses
-    methods that declare it (`kvmerge.capabilities`)."""
+    methods compressing one prefill). The second-pass calls raise: a runtime without one does not
+    offer `second_pass`, and so refuses methods that declare it.
+
+    `name`: the runtime's short name (`kvmerge methods`' columns); `offers`: the needs it meets;
+    `lacks`: for each need it does not meet, in the order reasons are given, why, as a format string
+    (fields: `name`, the method's label; `sliding`, `alloc`; `what` and `hint`, the allocation's)."""
+
+    name: ClassVar[str] = "runtime"
+    offers: ClassVar[Needs] = Needs()
+    lacks: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def refusals(cls, method) -> list[str]:
+        """Why this runtime cannot run `method` (empty: it can): one reason per need that `method`
+        declares and this runtime does not offer, each naming the method; a reason shared by two
+        needs is given once."""
+        needs, offers, out = method.needs, cls.offers, []
+        missing = [f.name for f in fields(Needs) if getattr(needs, f.name) and not _offered(f.name, needs, offers)]
+        ordered = [f for f in cls.lacks if f in missing] + [f for f in missing if f not in cls.lacks]
+        spread = getattr(method, "alloc", "uniform") != "uniform"
+        words = {"name": method.name, "sliding": method.sliding, "alloc": getattr(method, "alloc", None),
+                 "what": f": alloc={getattr(method, 'alloc', None)!r} gives" if spread else " sets per-layer budgets, giving",
+                 "hint": f" ({method.name}:alloc=uniform runs there)" if spread else ""}
+        for need in ordered:
+            reason = cls.lacks.get(need, "{name} needs " + need + ", which the " + cls.name + " runtime does not offer")
+            reason = reason.format(**words)
+            if reason not in out:
+                out.append(reason)
+        return out
+
+    @classmethod
+    def check(cls, method) -> None:
+        """Raise a ValueError with the first reason this runtime cannot run `method`."""
+        reasons = cls.refusals(method)
+        if reasons:
+            raise ValueError(reasons[0])
 
     def __init__(self, tokenizer=None, rotary: Callable | None = None, scaling: float = 1.0, config=None):
         self.tokenizer, self.rotary, self.scaling, self.config = tokenizer, rotary, scaling, config
@@ -51,8 +93,12 @@ class Runtime:
 
 
 class SessionRuntime(Runtime):
-    """The transformers runtime's interface for one `Session`: everything `Runtime` offers, plus the
-    second pass (`probe`), each row's plain slots, per-layer scratch and the attention's weights."""
+    """The transformers runtime's interface for one `Session` (one-shot and chunked prefill): everything
+    `Runtime` offers, plus the second pass (`probe`), each row's plain slots, per-layer scratch and the
+    attention's weights. It offers every need."""
+
+    name = "transformers"
+    offers = EVERYTHING
 
     def __init__(self, session, tokenizer=None):
         from .model import attention_scaling
@@ -107,3 +153,9 @@ class SessionRuntime(Runtime):
 
     def output_weight(self, layer: int) -> torch.Tensor:
         return self._attention(layer).o_proj.weight
+
+
+def _offered(need: str, needs: Needs, offers: Needs) -> bool:
+    if need == "queries":  # a count: -1 is every query
+        return offers.queries < 0 or 0 <= needs.queries <= offers.queries
+    return bool(getattr(offers, need))

@@ -17,14 +17,13 @@ import torch
 
 from .attention import kvmerge_attention
 from .cache import MergedCache
-from .capabilities import check
-from .methods import LayerContext, LayerState, Method
-from .methods.base import carry_all
+from .errors import check_chunk
+from .methods import LayerState, Method
 from .methods.full import Full
 from .model import check_supported, token_surprisal
-from .planner import Allocation, is_global, plan_layer, target_rule
+from .planner import View, compress_layers
 from .runtime import SessionRuntime
-from .sliding import hold_sliding, sliding_layers
+from .sliding import sliding_layers
 
 
 class Session:
@@ -153,10 +152,9 @@ class Session:
         queries a method scores with are the current chunk's."""
         method = self.method
         width = max(len(r) for r in rows)
-        if chunk is not None:
-            self._check_chunk(chunk, window)
-            if method is not None and chunk < width:  # refused before any forward, not after
-                check(method, "chunked")
+        if chunk is not None:  # refused before any forward, not after
+            plain = method is None or isinstance(method, Full)
+            check_chunk(chunk, 0 if plain else method.sinks, 0 if plain else method.window if window is None else window)
         if method is not None and method.sliding is not None:  # refused before any forward, not after
             sliding_layers(self.cache.layers, method, [int(s) + len(r) for s, r in zip(self.seen, rows)])
         if chunk is None or chunk >= width:
@@ -188,17 +186,6 @@ class Session:
             self.timings["prefill_seconds"] += t1 - t0
             self.timings["compress_seconds"] += self._clock() - t1
         return last
-
-    def _check_chunk(self, chunk, window) -> None:
-        method = self.method
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"prefill chunk must be a positive number of tokens, got {chunk!r}")
-        if method is None or isinstance(method, Full):
-            return
-        protected = method.sinks + (method.window if window is None else window)
-        if chunk < protected:
-            raise ValueError(f"prefill chunk of {chunk} tokens is smaller than the protected sinks + window "
-                             f"({protected}): every chunk would be protected whole")
 
     def feed_prompt(self, rows: list[list[int]], capture: int = 0, surprisal: bool = False):
         """Feed prompts keeping the last `capture` queries per full-attention layer (-1: all);
@@ -247,75 +234,25 @@ class Session:
     @torch.no_grad()
     def compress(self, token_rows: list[list[int]] | None = None, window: int | None = None,
                  surprisal: torch.Tensor | None = None, running: bool = False) -> None:
-        """Compress every layer with the session's method (at most `method.target(n)` entries per row
-        and head; padding slots are stripped per row first). `surprisal` `(batch, width)`, left-padded
-        like the rows, reaches methods as `ctx.surprisal`; captured queries are released afterwards.
-        `running` (chunked prefill): the target is `method.running_target` of the tokens seen so far,
-        and methods see the ids of the plain tokens not yet compressed only (`ctx.token_ids`)."""
-        method = self.method
+        """Compress every full-attention layer with the session's method (`kvmerge.planner.compress_layers`;
+        padding slots are stripped per row first). `surprisal` `(batch, width)`, left-padded like the
+        rows, reaches methods as `ctx.surprisal`; captured queries are released afterwards. `running`
+        (chunked prefill): the target is `method.running_target` of the tokens seen so far, and methods
+        see the ids of the plain tokens not yet compressed only (`ctx.token_ids`)."""
+        method, picked = self.method, self.cache.compressible
         if self.before_compress is not None:
             self.before_compress()
-        window = method.window if window is None else window
-        picked = self.cache.compressible
         if not picked and isinstance(method, Full):
             return
         if not picked:
             raise ValueError("this model has sliding-window layers only: its cache is already bounded by the "
                              "window and has no full-attention layer to compress (use the full method)")
-        method.prepare_all(self.runtime, token_rows, picked)
-        layers, states = [self.cache.layers[i] for i in picked], [self.states[i] for i in picked]
-        dense = len(set(self.seen.tolist())) == 1  # no batch padding: every row has as many tokens
-        extra = 0 if method.sliding is None else hold_sliding(self.cache.layers, layers, method, self.seen.tolist())
-        n, rows = layers[0].entries, torch.arange(layers[0].keys.shape[0])
-        # under a chunked prefill a global allocation's layers differ in width: the budget is the tokens'
-        target = target_rule(method, int(self.seen.max()) if running and is_global(method) else n,
-                             int(self.seen.max()), window, running, extra)
-        method.plan(layers, states, LayerContext(
-            layer_idx=-1, num_layers=len(layers), target=target, sinks=method.sinks, window=window,
-            scaling=self.runtime.scaling, rows=rows,
-            surprisal=None if surprisal is None or not dense else surprisal[:, -n:]))
-
-        def context(i, kv, rows, state, alloc=None):
-            seen = int(self.seen[rows].max())
-            return plan_layer(method, i, len(layers), kv, rows, target=target_rule(method, kv.slots, seen, window,
-                                                                                   running, extra),
-                              window=window, scaling=self.runtime.scaling, seen=seen,
-                              fresh=min(kv.slots, int(self.plain[rows].min())), queries=state.queries,
-                              captured=int(self.captured[rows].min()), token_rows=token_rows, surprisal=surprisal,
-                              state=state, alloc=alloc)
-
-        allocation = None
-        if is_global(method):
-            if not dense or method.needs.decode_policy:
-                raise ValueError(f"{method.name}: alloc={method.alloc!r} spreads one budget over every layer at once, "
-                                 "so it needs rows without padding (one row, or rows of one length) and a method "
-                                 "without a decode policy")
-            allocation = Allocation.of(method, ((kv, context(i, kv, rows, state)) for i, (kv, state) in  # one layer
-                                                enumerate((layer.kv(), state) for layer, state in zip(layers, states))),
-                                       target, window)  # at a time: a layer's copies are freed once it is scored
-        compressed = torch.zeros(len(self.seen), dtype=torch.bool)
-        for i, (layer, state) in enumerate(zip(layers, states)):
-            state.targets = torch.zeros(layer.keys.shape[0], dtype=torch.long)
-            state.scaling, state.extra = self.runtime.scaling, extra
-            alloc = None if allocation is None else allocation.layer(i)
-
-            def run(kv, rows, i=i, state=state, alloc=alloc):
-                ctx = context(i, kv, rows, state, alloc)
-                keep = method.layer_target(ctx) if alloc is None else int(alloc[1].max())
-                state.targets[rows] = keep
-                smaller = keep < kv.slots if alloc is None else bool((alloc[1] < kv.slots).any())
-                compressed[rows] |= smaller
-                if not smaller and running and kv.slots:  # kept whole: scores a later chunk cannot recompute
-                    carry_all(method, kv, ctx)
-                return method.compress(*kv, ctx) if smaller and kv.slots else kv
-
-            if allocation is None:
-                layer.map_rows(run)
-            else:  # every row at once: the allocation ranked the whole layout, empty slots included (−inf)
-                layer.replace(*run(layer.kv(), rows))
-            state.compressed_at = layer.seen
-            if not method.needs.decode_policy:  # heads left at different lengths are stored at their own,
-                layer.compact()  # layer by layer: one padded layout at a time
+        window = method.window if window is None else window
+        layers = [self.cache.layers[i] for i in picked]
+        # the counters copied: a method's second pass feeds the session and restores them
+        view = View(self.seen.clone(), self.plain.clone(), self.captured.clone(), window, self.runtime.scaling,
+                    token_rows, surprisal, running, layers=picked, model_layers=self.cache.layers)
+        compressed = compress_layers(method, self.runtime, layers, [self.states[i] for i in picked], view)
         for state in self.states:
             state.queries = None
         self.captured.zero_()

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import kvmerge
 from kvmerge import Session
 from kvmerge.layer import MergedLayer
-from kvmerge.ops.scores import global_counts, top_slots_per_head
+from kvmerge.allocation import global_counts, top_slots_per_head
 
 from .conftest import TinyTokenizer, random_ids, tiny_model
 

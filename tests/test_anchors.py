@@ -109,7 +109,7 @@ def test_reconstruction_attention_equals_the_explicit_softmax_with_gqa(block, me
     torch.manual_seed(0)
     queries, keys = torch.randn(6, 5, 8), torch.randn(2, 3 + 7 + 5, 8)
     log_n = torch.rand(2, 15).mul(2).log1p() if merged else None
-    got = kvmerge.ops.scores.reconstruction_attention(queries, keys, log_n, sinks=3, scaling=0.3, block=block)
+    got = kvmerge.methods.kvzip.reconstruction_attention(queries, keys, log_n, sinks=3, scaling=0.3, block=block)
     assert torch.allclose(got, _kvzip_explicit(queries, keys, 3, 7, 0.3, log_n=log_n), atol=1e-6)
 
 
@@ -260,7 +260,8 @@ def test_merges_calibrated_by_the_base_conserve_its_scores_mass_and_weighted_val
     from dataclasses import dataclass
 
     from kvmerge.methods.base import ScoringMethod
-    from kvmerge.ops.scores import global_counts, top_slots, top_slots_per_head
+    from kvmerge.allocation import global_counts, top_slots_per_head
+    from kvmerge.ops.scores import top_slots
 
     g = torch.Generator().manual_seed(6)
     b, h, s, d = 1, 3, 40, 8
@@ -314,7 +315,8 @@ def test_heads_whose_base_scores_saturate_evict_and_the_others_merge_as_before(a
     from dataclasses import dataclass
 
     from kvmerge.methods.base import ScoringMethod
-    from kvmerge.ops.scores import global_counts, top_slots, top_slots_per_head
+    from kvmerge.allocation import global_counts, top_slots_per_head
+    from kvmerge.ops.scores import top_slots
 
     g = torch.Generator().manual_seed(7)
     b, h, s, d = 1, 3, 40, 8

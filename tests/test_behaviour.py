@@ -63,13 +63,13 @@ SUMS = ("sum of counts", "sum of merged key norms", "sum of kept keys' value shi
 # (model, spec): every registered method with its defaults, the presets' variants and the allocation
 # and sliding options. Ragged rows (two contexts of different lengths) where the method takes them;
 # one row where global allocation or the sliding share needs rows of one length.
-RAGGED = ["cam", "centroidkv", "d2o", "echo", "evictmerge", "expected_attention", "expectmerge", "full", "h2o", "keydiff", "kmeans", "kvzip:alloc=uniform", "mergingpress", "mixed_attention", "pyramidkv", "semanticache", "snapkv", "streamingllm", "surprisal", "surprisemerge", "tova", "zipguard"]  # the names as they were when the fixture was made (old names resolve)
-ONE_ROW = ["zipmerge", "guardmerge", "kvzip", "kvzip:alloc=head", "kvzip:alloc=layer", "kvzip:alloc=fit", "snapkv:alloc=head",
+RAGGED = ["cam", "centroidkv", "d2o", "echo", "evictmerge", "expectedattention", "mixedmerge", "full", "h2o", "keydiff", "kmeans", "kvzip:alloc=uniform", "mergingpress", "mixedattention", "pyramidkv", "semanticache", "snapkv", "streamingllm", "surprisal", "surprisemerge", "tova", "zipguard"]
+ONE_ROW = ["zipmerge", "zipguardmerge", "kvzip", "kvzip:alloc=head", "kvzip:alloc=layer", "kvzip:alloc=fit", "snapkv:alloc=head",
            "snapkv:alloc=head:floor=0.5", "echo:alloc=fit", "zipguard:alloc=fit", "evictmerge:base=h2o",
            "evictmerge:base=kvzip:alloc=head:recent=0:calibrate_with=base", "d2o:base=snapkv",
            "mergingpress:base=snapkv", "kvzip:plus=true:alloc=uniform", "kvzip:plus=true", "evictmerge:exact=0.25:whole=true",
-           "surprisemerge:absorb=picks", "zipmerge:alloc=uniform", "guardmerge:alloc=uniform"]
-HYBRID = ["full:sliding=3", "snapkv:sliding=0.5", "expectmerge:sliding=3", "guardmerge:sliding=0.75",
+           "surprisemerge:absorb=picks", "zipmerge:alloc=uniform", "zipguardmerge:alloc=uniform"]
+HYBRID = ["full:sliding=3", "snapkv:sliding=0.5", "mixedmerge:sliding=3", "zipguardmerge:sliding=0.75",
           "kvzip:alloc=head:sliding=3", "snapkv"]
 CASES = ([("llama", "ragged", s) for s in RAGGED] + [("llama", "one", s) for s in ONE_ROW]
          + [("gemma3", "one", s) for s in HYBRID])
@@ -79,7 +79,7 @@ CASES = ([("llama", "ragged", s) for s in RAGGED] + [("llama", "one", s) for s i
 REAL = [("smollm2", "needle", s) for s in RAGGED + ONE_ROW]
 REAL_CHUNK = 256
 REAL_FIXTURE = Path(__file__).parent / "fixtures" / "behaviour_smollm2.json"
-REAL_CI = {"expectmerge", "guardmerge", "snapkv"}  # the rows CI runs (make test-ci)
+REAL_CI = {"mixedmerge", "zipguardmerge", "snapkv"}  # the rows CI runs (make test-ci)
 
 
 def _model(name):

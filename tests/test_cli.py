@@ -76,7 +76,7 @@ MISTAKES = [  # argv, what the line must say
     (G + ["--top-p", "2"], "--top-p", "(0, 1]"),
     (G + ["--top-k", "-2"], "--top-k"),
     (G + ["--prefill-chunk", "0"], "--prefill-chunk"),
-    (G + ["--prefill-chunk", "8"], "below the protected first and last tokens (36)"),
+    (G + ["--prefill-chunk", "8"], "below the protected sinks + window (4 + 32)", "use at least 36"),
     (G + ["--stop", ""], "--stop"),
     (G + ["--stop", ","], "--stop"),
     (G + ["--budgte", "0.5"], "unknown option '--budgte' (did you mean --budget"),

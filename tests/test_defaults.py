@@ -66,7 +66,7 @@ def test_compressing_without_a_method_uses_the_default():
     for model, name in ((tiny_model(), "learnedzip"), (no_weights(), "mixedmerge")):
         ctx = random_ids(120, seed=5)
         with kvmerge.compressing(model, budget=0.25, window=8, tokenizer=TinyTokenizer()) as kv:
-            assert (getattr(kv.method, "preset", None) or kv.method.name) == name and kv.method.budget == 0.25
+            assert kv.method.label == name and kv.method.budget == 0.25
             out = model.generate(torch.tensor([ctx]), max_new_tokens=2, do_sample=False)
         assert out.shape == (1, 122)
 

@@ -26,7 +26,7 @@ def _echo_dense(queries, keys, log_n, scaling, cos, sin, own):
 
 @pytest.mark.parametrize("q,own,log_n", [(20, 4, False), (12, 1, True), (20, 0, False)])
 def test_echo_attention_equals_a_dense_softmax_over_moved_and_own_keys(q, own, log_n):
-    from kvmerge.ops.scores import echo_attention
+    from kvmerge.methods.echo import echo_attention
 
     g = torch.Generator().manual_seed(q + own)
     queries, keys = torch.randn(4, q, 8, generator=g), torch.randn(2, 20, 8, generator=g)

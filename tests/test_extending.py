@@ -1,6 +1,8 @@
 """Extending kvmerge: a new scoring method is one file (tests/plugins/lastquery.py, about 20 lines) with
 no runtime code, and it runs one-shot and under a chunked prefill (and inside vLLM:
-tests/test_vllm_transformers.py). Composites declare their parts, whose needs and hooks they get."""
+tests/test_vllm_transformers.py). Composites declare their parts, whose needs and hooks they get. A
+new runtime is one subclass of `Runtime` that declares what it offers, and compresses through the
+planner."""
 
 import importlib.util
 from pathlib import Path
@@ -9,8 +11,12 @@ import pytest
 import torch
 
 import kvmerge
-from kvmerge.capabilities import refusals, where
+from kvmerge.vllm.runtime import VllmRuntime
+from kvmerge.methods import LayerState, Needs
 from kvmerge.methods.registry import load_plugins
+from kvmerge.ops.kv import KV
+from kvmerge.planner import Entries, View, compress_layers
+from kvmerge.runtime import Runtime, SessionRuntime
 
 from .conftest import TinyTokenizer, random_ids, tiny_model
 
@@ -36,7 +42,7 @@ def test_the_file_is_about_twenty_lines_and_declares_what_it_needs():
     assert len(code) <= 22
     method = kvmerge.get_method("lastquery")
     assert method.needs == kvmerge.Needs(queries=1)
-    assert where(method) == {"transformers": True, "chunked": True, "vllm": True}
+    assert SessionRuntime.refusals(method) == VllmRuntime.refusals(method) == []
 
 
 @pytest.mark.parametrize("chunk", [None, 48])
@@ -65,4 +71,48 @@ def test_a_composite_gets_its_parts_needs_and_hooks():
     assert method.needs.surprisal and method.needs.tokenizer and method.needs.queries == 32
     kept = _kept("d2o:base=surprisal", chunk=48)
     assert all(kv.slots <= 2 * 50 for kv in kept)
-    assert refusals(method, "vllm")[0].startswith("d2o sets per-layer budgets")
+    assert VllmRuntime.refusals(method)[0].startswith("d2o sets per-layer budgets")
+
+
+class TensorsRuntime(Runtime):
+    """A throwaway runtime: a prompt's entries held as plain tensors, compressed once; no tokenizer, no
+    second pass, one count for every layer and head."""
+
+    name = "tensors"
+    offers = Needs(queries=-1, merges=True)
+    lacks = {"tokenizer": "{name} reads the tokenizer, and the tensors runtime has none"}
+
+
+def test_a_new_runtime_is_one_subclass_refusing_what_it_does_not_offer():
+    assert TensorsRuntime.refusals(kvmerge.get_method("lastquery")) == []
+    assert TensorsRuntime.refusals(kvmerge.get_method("kvzip:alloc=uniform")) == [
+        "kvzip reads the tokenizer, and the tensors runtime has none",
+        "kvzip needs second_pass, which the tensors runtime does not offer"]
+    assert TensorsRuntime.refusals(kvmerge.get_method("snapkv:alloc=head")) == [
+        f"snapkv needs {need}, which the tensors runtime does not offer"
+        for need in ("all_layers", "layer_counts", "head_counts")]
+    with pytest.raises(ValueError, match="tova needs decode_policy"):
+        TensorsRuntime.check(kvmerge.get_method("tova"))
+    assert SessionRuntime.refusals(kvmerge.get_method("kvzip")) == []  # the transformers runtime offers every need
+
+
+def test_a_new_runtime_compresses_through_the_planner_as_the_session_does():
+    """The throwaway runtime hands the planner a prefill's entries and captured queries: the entries
+    kept equal the transformers runtime's, layer by layer, bit for bit."""
+    method = kvmerge.get_method("lastquery:window=8", 0.25)
+    session = kvmerge.Session(tiny_model(), 1, method, TinyTokenizer())
+    ids = random_ids(200, seed=3)
+    with torch.no_grad():
+        session.feed_prompt([ids], capture=-1)
+    picked = session.cache.compressible
+    held = [Entries(KV(*(x.clone() for x in session.cache.layers[i].kv()))) for i in picked]
+    states = [LayerState(queries=session.states[i].queries.clone()) for i in picked]
+    n = torch.tensor([200])
+    compressed = compress_layers(method, TensorsRuntime(scaling=session.runtime.scaling), held, states,
+                                 View(n, n, n, 8, session.runtime.scaling, [ids]))
+    session.compress([ids])
+    assert compressed.tolist() == [True]
+    for entries, i in zip(held, picked):
+        assert entries.entries == round(0.25 * 200)
+        for x, y in zip(entries.kv(), session.cache.layers[i].kv()):
+            assert torch.equal(x, y)

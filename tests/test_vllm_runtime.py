@@ -6,7 +6,8 @@ vLLM as in kvmerge's runtime."""
 import torch
 
 from kvmerge import Session, get_method
-from kvmerge.vllm.compress import VllmRuntime, build_method, compress_prompt, prompt_surprisal
+from kvmerge.vllm.compress import build_method, compress_prompt, prompt_surprisal
+from kvmerge.vllm.runtime import VllmRuntime
 from kvmerge.vllm.config import Settings, refusal
 
 from .conftest import random_ids, tiny_model

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 import kvmerge
 from kvmerge import Session
-from kvmerge.ops.scores import guard_saturated, round_robin
+from kvmerge.methods.zipguard import round_robin
+from kvmerge.ops.scores import guard_saturated
 
 from .conftest import TinyTokenizer, random_ids, tiny_model
 

@@ -11,7 +11,8 @@ from typing import ClassVar
 import torch
 
 from ..ops.kv import KV
-from ..ops.scores import top_slots, top_slots_per_head
+from ..allocation import top_slots_per_head
+from ..ops.scores import top_slots
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class LayerState:
 
 @dataclass
 class LayerContext:
-    """What a method sees besides one layer's keys, values and log_n (built by `kvmerge.planner.plan_layer`).
+    """What a method sees besides one layer's keys, values and log_n (built by `kvmerge.planner.layer_context`).
 
     `token_ids` `(batch, fresh)` are the ids of the last `fresh` slots, plain tokens not yet compressed
     (all slots at a one-shot prefill; the new chunk and the previous window under chunked prefill),
@@ -123,6 +124,7 @@ class Method:
     window: int = 32
     sliding: int | float | None = None
     stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    preset: str | None = field(default=None, init=False, repr=False, compare=False)  # the preset it was built as
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""  # one line for `kvmerge methods` (default: the docstring's first sentence)
@@ -145,6 +147,11 @@ class Method:
         elif self.budget < self.sinks + self.window:
             raise ValueError(f"budget of {self.budget} entries is below the protected sinks + window "
                              f"({self.sinks} + {self.window})")
+
+    @property
+    def label(self) -> str:
+        """The name a user knows this method by: its preset's (`mixedmerge`), else its own (`evictmerge`)."""
+        return self.preset or self.name
 
     # -- what it needs and what it is made of ------------------------------------------------------
     def parts(self) -> list[Method]:

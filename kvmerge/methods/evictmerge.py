@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ops.merge import merge_into_kept
-from ..ops.scores import fill_protected, received_attention, saturated_heads, top_slots, top_slots_per_head
+from ..allocation import top_slots_per_head
+from ..ops.scores import fill_protected, received_attention, saturated_heads, top_slots
 from .base import Needs, ScoringMethod, check_scoring_part
 from .expectedattention import ExpectedAttention
 from .registry import register

@@ -8,7 +8,6 @@ from typing import ClassVar
 
 import torch
 
-from ..ops.scores import reconstruction_attention
 from .base import CarriedScores, Needs, ScoringMethod
 from .registry import register
 
@@ -154,3 +153,39 @@ def _turn_end(tokenizer) -> str:
     text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
                                          add_generation_prompt=True)
     return text.split(marker, 1)[1]
+
+
+def reconstruction_attention(queries, keys, log_n, sinks: int, scaling: float, row_scale=None, column_scale=None,
+                             block: int = 128):
+    """KVzip's score for one row's context chunk: queries `(hq, q, d)` of the reconstruction, keys
+    `(h, k, d)` and log_n `(h, k)` (or None) laid out [sinks; chunk; the q reconstruction tokens' own]
+    → `(h, k - sinks - q)`: for each chunk key, the highest attention probability any query head of
+    its group gives it at any reconstruction position, the softmax over all k keys (causal among the
+    reconstruction's own). KVzip+: each probability times `row_scale` `(q,)` of its position and
+    `column_scale` `(hq, k)` of its query head and key before the max.
+
+    Computed in log space, `block` queries at a time: max exp(x − lse) = exp(max(x − lse)), so no
+    probability matrix is formed, and a block's logits stay in cache."""
+    hq, q, _d = queries.shape
+    h, k, _ = keys.shape
+    g, chunk = hq // h, k - sinks - q
+    causal = torch.full((q, q), float("-inf"), device=keys.device).triu(1)
+    log_row = None if row_scale is None else row_scale.float().log()[None, :, None]
+    best = torch.full((h, chunk), float("-inf"), device=keys.device)
+    for j in range(h):  # one KV head at a time: (g, block, k) logits
+        keys_t = keys[j].float().T * scaling
+        group = queries[j * g:(j + 1) * g].float()
+        bias = None if log_n is None else log_n[j].float()
+        log_col = (None if column_scale is None
+                   else column_scale[j * g:(j + 1) * g, None, sinks:sinks + chunk].float().log())
+        for s in range(0, q, block):
+            logits = group[:, s:s + block] @ keys_t
+            if bias is not None:
+                logits += bias
+            logits[..., k - q:] += causal[s:s + block]
+            part = logits[..., sinks:sinks + chunk].sub_(logits.logsumexp(-1, keepdim=True))
+            if log_row is not None:
+                part = part + log_row[:, s:s + block] + log_col
+            best[j] = torch.maximum(best[j], part.amax((0, 1)))
+    return best.exp()
+

@@ -1,14 +1,15 @@
 """Presets: named method specs, as data. A preset is a registered method with other defaults (its
 `params`; `base.x` sets parameter x of the method's `base` part), optionally with parameters tied
 together (`ties`: a preset parameter that sets several, e.g. zipguardmerge's `saturated` sets its
-own and its base's). `kvmerge methods` lists them beside the methods; `get_method` resolves them.
+own and its base's). `kvmerge methods` lists them beside the methods; `get_method` builds them
+(`registry.from_preset`).
 
 `recommended` marks what the README recommends. Older names live in one table, `registry.OLD_NAMES`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -28,31 +29,6 @@ class Preset:
         if nested:
             top["base"] = {"name": top["base"], **nested}
         return ":".join([self.method] + [f"{k}={_show(v)}" for k, v in top.items()])
-
-    def build(self, params: dict):
-        """The method object, with `params` (a user's) over the preset's."""
-        from .base import Method
-        from .registry import get_method
-
-        merged = dict(self.params)
-        if "base" in params:  # another base: the preset's settings of its own base no longer apply
-            merged = {k: v for k, v in merged.items() if not k.startswith("base.")}
-        for key, value in params.items():
-            for target in self.ties.get(key, (key,)):
-                if not (target.startswith("base.") and "base" in params and target != key):
-                    merged[target] = value
-        nested = {k.split(".", 1)[1]: merged.pop(k) for k in list(merged) if k.startswith("base.")}
-        if nested:
-            base = merged.get("base")
-            if isinstance(base, Method):
-                merged["base"] = replace(base, **nested)
-            elif isinstance(base, dict):
-                merged["base"] = {**base, **nested}
-            else:
-                merged["base"] = {"name": base, **nested}
-        method = get_method(self.method, **merged)
-        method.preset = self.name
-        return method
 
 
 def _show(value) -> str:

@@ -9,13 +9,13 @@ Names are one lowercase word: letters and digits, no `_` or `-` (`snapkv`, `stre
 
 from __future__ import annotations
 
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
 
 from ..errors import UnknownNameError, refusing, suggest
 from ..params import check_fields, check_params
 from ..spec import parse_spec
 from .base import Method
-from .presets import PRESETS
+from .presets import PRESETS, Preset
 
 _REGISTRY: dict[str, type[Method]] = {}
 
@@ -114,7 +114,7 @@ def _build(name, budget, params: dict) -> Method:
     cls = _REGISTRY[preset.method if preset else found]
     check_fields(cls, found, params)
     if preset is not None:
-        return preset.build(params)
+        return from_preset(preset, params)
     known = {f.name: f for f in fields(cls) if f.init}
     unknown = set(params) - set(known)
     if unknown:
@@ -130,6 +130,29 @@ def _build(name, budget, params: dict) -> Method:
                 spec.setdefault("alloc", "uniform")
             params[key] = get_method(**spec)
     return cls(**params)
+
+
+def from_preset(preset: Preset, params: dict) -> Method:
+    """The method object of `preset`, with `params` (a user's) over the preset's own."""
+    merged = dict(preset.params)
+    if "base" in params:  # another base: the preset's settings of its own base no longer apply
+        merged = {k: v for k, v in merged.items() if not k.startswith("base.")}
+    for key, value in params.items():
+        for target in preset.ties.get(key, (key,)):
+            if not (target.startswith("base.") and "base" in params and target != key):
+                merged[target] = value
+    nested = {k.split(".", 1)[1]: merged.pop(k) for k in list(merged) if k.startswith("base.")}
+    if nested:
+        base = merged.get("base")
+        if isinstance(base, Method):
+            merged["base"] = replace(base, **nested)
+        elif isinstance(base, dict):
+            merged["base"] = {**base, **nested}
+        else:
+            merged["base"] = {"name": base, **nested}
+    method = get_method(preset.method, **merged)
+    method.preset = preset.name
+    return method
 
 
 def load_plugins(names: list[str]) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ops.scores import guard_saturated, round_robin
+import torch
+
+from ..ops.scores import guard_saturated
 from .base import ScoringMethod
 from .kvzip import KVzip
 from .registry import get_method, register
@@ -19,7 +21,7 @@ class ZipGuard(KVzip):
     window) score above `level`. Its free entries keep exactly the multiset of their KVzip scores, so
     global allocation gives the head the same count, but are ranked by `fallback`
     (`ops.scores.guard_saturated`): scoring methods joined by `+`, each with its defaults, merged
-    turn by turn (`ops.scores.round_robin`), so that each ranks an equal part of the head's entries.
+    turn by turn (`round_robin`), so that each ranks an equal part of the head's entries.
     Heads that are not saturated keep KVzip's scores: on a model without copy heads this is KVzip.
 
     Selection as any `ScoringMethod` (`alloc="fit"` is KVzip's global ranking in real bytes); as the
@@ -54,3 +56,18 @@ class ZipGuard(KVzip):
         out = zipped.clone()
         out[..., lo:hi] = guard_saturated(zipped[..., lo:hi], order[..., lo:hi], self.saturated, self.level)
         return out
+
+
+def round_robin(*scores):
+    """Rankings `(…, s)` (higher first) merged turn by turn: the best of the first, the best of the
+    second, …, then each one's second best; an entry two rankings share is placed at its earliest
+    turn → `(…, s)` float scores, higher first. After j turns of every ranking, exactly the union of
+    each ranking's top j entries is ahead of the rest."""
+    turn = None
+    for i, x in enumerate(scores):
+        order = torch.argsort(x.float(), dim=-1, descending=True, stable=True)
+        steps = torch.arange(x.shape[-1], device=x.device).expand_as(order).contiguous()
+        t = torch.empty_like(order).scatter_(-1, order, steps) * len(scores) + i
+        turn = t if turn is None else torch.minimum(turn, t)
+    return -turn.float()
+

@@ -2,24 +2,24 @@
 vLLM's attention sees them, compressed by the same method object kvmerge's transformers runtime uses,
 and the result laid out as the paged slots it is written back to.
 
-Pure functions on tensors (no vLLM import): `compress_prompt` asks the one layer planner for the
-`LayerContext` that `kvmerge.Session.compress` builds for one row compressed one-shot, and calls
-`method.compress`; `VllmRuntime` is all a method sees of the worker.
+Pure functions on tensors (no vLLM import): `compress_prompt` hands one prompt's entries of one
+layer to the planner, as `kvmerge.Session.compress` hands it a session's layers; `VllmRuntime`
+(`kvmerge.vllm.runtime`) is all a method sees of the worker.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 
 from ..methods import LayerState, Method
-from ..model import attention_scaling, rotary_function, token_surprisal
+from ..model import token_surprisal
 from ..ops.kv import KV
-from ..planner import plan_layer
+from ..planner import Entries, View, compress_layers
 from ..runtime import Runtime
+from .runtime import VllmRuntime
 from .config import Layout, settings_of
 
 EMPTY_LOG_N = -1000.0  # log-mass of an empty slot: exp(-1000) is 0 in float32; finite, so fp16 keeps it
@@ -28,33 +28,28 @@ EMPTY_LOG_N = -1000.0  # log-mass of an empty slot: exp(-1000) is 0 in float32; 
 def compress_prompt(method: Method, layer_idx: int, num_layers: int, queries: torch.Tensor, keys: torch.Tensor,
                     values: torch.Tensor, token_ids: torch.Tensor, scaling: float, kept: int,
                     surprisal: torch.Tensor | None = None, runtime: Runtime | None = None) -> KV:
-    """One prompt of P tokens in one layer → at most `kept` entries per KV head.
+    """One prompt of P tokens in one layer → at most `kept` entries per KV head, by the planner
+    (`kvmerge.planner.compress_layers`) as for one row without padding compressed one-shot.
 
     queries `(P', hq, d)` (the last P' ≤ P of the prompt's), keys/values `(P, hkv, d)` (post-RoPE, in
-    prompt order, as vLLM's attention receives them), token_ids `(P,)` → `KV` keys/values
-    `(1, hkv, kept, d)`, log_n `(1, hkv, kept)` float32. The context comes from the one layer planner
-    (`kvmerge.planner.plan_layer`) as `Session.compress` builds it for one row without padding: the
-    last `needs.queries` queries, the target `kept`, each token's `surprisal` `(P,)`, a fresh
-    `LayerState`; `method.prepare` runs first with a fresh memo on `runtime`. Nothing is compressed
-    when `kept` ≥ P."""
+    prompt order, as vLLM's attention receives them), token_ids `(P,)`, `surprisal` `(P,)` → `KV`
+    keys/values `(1, hkv, kept, d)`, log_n `(1, hkv, kept)` float32. A fresh memo on `runtime` and a
+    fresh `LayerState` per call. Nothing is compressed when `kept` ≥ P."""
     n = keys.shape[0]
     k, v = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-    log_n = torch.zeros(k.shape[:3], dtype=torch.float32, device=k.device)
+    entries = Entries(KV(k, v, torch.zeros(k.shape[:3], dtype=torch.float32, device=k.device)))
     if kept >= n:
-        return KV(k, v, log_n)
+        return entries.kv()
     runtime = runtime or Runtime()
     runtime.memo = {}  # what a method computes here is this prompt's and this layer's
-    method.prepare_all(runtime, None, [layer_idx])
-    ctx = plan_layer(method, layer_idx, num_layers, KV(k, v, log_n), torch.tensor([0]), target=kept,
-                     window=method.window, scaling=scaling, seen=n, fresh=n,
-                     queries=None if method.needs.queries == 0 else queries.transpose(0, 1)[None],
-                     token_rows=[token_ids.tolist()],
-                     surprisal=None if surprisal is None else surprisal[None],
-                     state=LayerState(scaling=scaling))
-    out = method.compress(k, v, log_n, ctx)
-    if out.slots > kept:
-        raise RuntimeError(f"{method.name} returned {out.slots} entries for a target of {kept}")
-    return out
+    state = LayerState(queries=None if method.needs.queries == 0 else queries.transpose(0, 1)[None])
+    view = View(torch.tensor([n]), torch.tensor([n]), torch.tensor([queries.shape[0]]), method.window, scaling,
+                [token_ids.tolist()], None if surprisal is None else surprisal[None], target=kept, layers=[layer_idx],
+                positions=[layer_idx], num_layers=num_layers)
+    compress_layers(method, runtime, [entries], [state], view)
+    if entries.entries > kept:
+        raise RuntimeError(f"{method.name} returned {entries.entries} entries for a target of {kept}")
+    return entries.kv()
 
 
 def paged_entries(kv: KV, layout: Layout, scale: float, size: int, dtype: torch.dtype):
@@ -79,37 +74,6 @@ def paged_entries(kv: KV, layout: Layout, scale: float, size: int, dtype: torch.
     out_k[first:, :, d] = (log_n.float().clamp_min(EMPTY_LOG_N) / scale).to(dtype)
     out_v[first:, :, :values.shape[2]] = values.to(dtype)
     return out_k, out_v
-
-
-class VllmRuntime(Runtime):
-    """The plugin's `Runtime` in a vLLM worker (which holds vLLM's model, not a transformers one): the
-    tokenizer (loaded when the method declares `Needs.tokenizer`), the model's rotary embedding built
-    from its transformers config by transformers itself (Expected Attention undoes RoPE on the
-    queries), its attention scaling, and a memo per compression. It has no second pass."""
-
-    def __init__(self, hf_config, tokenizer=None):
-        super().__init__(tokenizer, None, attention_scaling(hf_config), hf_config)
-        self._rotary = None
-
-    @property
-    def rotary(self):
-        if self._rotary is None:
-            self._rotary = rotary_function(_rotary_embedding(self.config), torch.device("cpu"))
-        return self._rotary
-
-    @rotary.setter
-    def rotary(self, value):
-        self._rotary = value
-
-
-def _rotary_embedding(hf_config):
-    """transformers' rotary embedding module for `hf_config`'s model type (e.g. `LlamaRotaryEmbedding`)."""
-    kind = hf_config.model_type
-    module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
-    found = [getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding") and not n.startswith("_")]
-    if not found:
-        raise ValueError(f"kvmerge: transformers has no rotary embedding for model type {kind!r}")
-    return min(found, key=lambda c: len(c.__name__))(config=hf_config)
 
 
 def build_method(settings, tokenizer_path: str | None, hf_config) -> tuple[Method, VllmRuntime]:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..capabilities import refusals
 from ..methods import Method, get_method
 from ..methods.registry import load_plugins
-from ..planner import is_global
+from ..allocation import is_global
+from .runtime import VllmRuntime
 
 KEY = "kvmerge"
 WORKER = "kvmerge.vllm.runner.KvmergeCPUWorker"
@@ -78,10 +78,10 @@ def settings_of(additional_config) -> Settings | None:
 
 def refusal(method: Method) -> str | None:
     """Why the plugin cannot run `method` (None: it can), every reason, from its declared needs
-    (`kvmerge.capabilities`). The plugin compresses each prompt once, after the prompt's prefill
+    (`VllmRuntime.refusals`). The plugin compresses each prompt once, after the prompt's prefill
     (inside each layer's attention, or after the last layer for methods that need each token's
     surprisal), with one slot count for every layer and head."""
-    reasons = refusals(method, "vllm")
+    reasons = VllmRuntime.refusals(method)
     return "; and ".join(reasons) if reasons else None
 
 
