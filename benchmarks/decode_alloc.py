@@ -20,16 +20,8 @@ from kvmerge import Session
 from kvmerge_eval.niah import haystack
 
 
-def method_of(spec, budget):
-    """The method a spec string names at `budget` (`get_method`, or `method_from_spec` where it is kept)."""
-    try:
-        return kvmerge.get_method(spec, budget)
-    except TypeError:
-        return kvmerge.method_from_spec(spec, budget)
-
-
 def prefilled(model, tok, ids, spec, budget, rows):
-    method = None if spec is None else method_of(spec, budget)
+    method = None if spec is None else kvmerge.get_method(spec, budget)
     session = Session(model, rows, method, tok)
     return session, session.prefill([ids] * rows, None if method is None else method.window)
 

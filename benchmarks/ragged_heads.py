@@ -20,7 +20,7 @@ from kvmerge_eval.niah import haystack
 
 
 def compressed(model, tok, ids, spec, budget, padded):
-    method = kvmerge.method_from_spec(spec, budget)
+    method = kvmerge.get_method(spec, budget)
     session = Session(model, 1, method, tok)
     with mock.patch.object(MergedLayer, "compact", lambda self: False) if padded else nullcontext():
         logits = session.prefill([ids], method.window)
