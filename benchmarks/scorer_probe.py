@@ -27,7 +27,8 @@ import torch
 
 import kvmerge
 from kvmerge.methods import get_method
-from kvmerge.ops.scores import echo_attention, rotate_half
+from kvmerge.methods.echo import echo_attention
+from kvmerge.ops.scores import rotate_half
 from kvmerge.scorer import KINDS, find
 from kvmerge.session import Session
 from kvmerge.train_scorer import _opening, corpus, examples, overlap, pieces

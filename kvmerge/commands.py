@@ -64,6 +64,20 @@ def protected(spec: str) -> tuple[int, int]:
     return tuple(v if isinstance(v, int) else 0 for v in (value["sinks"], value["window"]))
 
 
+def check_protected(spec: str, budget=None, chunk: int | None = None) -> None:
+    """Refuse an int `budget` or a `chunk` below the tokens the method of `spec` always keeps (its
+    sinks and window), from the methods table alone."""
+    if parse_spec(spec)[0] == "full":
+        return
+    sinks, window = protected(spec)
+    keep = sinks + window
+    if isinstance(budget, int) and budget < keep:
+        raise InputError(f"--budget {budget} entries is below the {keep} tokens every method keeps (the first and "
+                         f"the last ones); a fraction of the context is written with a point, e.g. 1.0 or 0.25")
+    if chunk is not None:
+        check_chunk(chunk, sinks, window, "--prefill-chunk")
+
+
 def method(spec: str, budget=None, chunk: int | None = None):
     """The method of `spec` with `budget`, checked: a known name (close names suggested), known
     parameters of the declared types, an int budget and a `chunk` above its protected tokens (all
@@ -71,13 +85,7 @@ def method(spec: str, budget=None, chunk: int | None = None):
     from . import catalog
 
     catalog.check_spec(spec)
-    sinks, window = protected(spec)
-    keep = sinks + window
-    if isinstance(budget, int) and budget < keep and parse_spec(spec)[0] != "full":
-        raise InputError(f"--budget {budget} entries is below the {keep} tokens every method keeps (the first and "
-                         f"the last ones); a fraction of the context is written with a point, e.g. 1.0 or 0.25")
-    if chunk is not None and parse_spec(spec)[0] != "full":
-        check_chunk(chunk, sinks, window, "--prefill-chunk")
+    check_protected(spec, budget, chunk)
 
     from .errors import refusing
     from .params import check_params
@@ -150,6 +158,10 @@ def generate(args) -> int:
             runs_here(argparse.Namespace(name=name, sliding=params["sliding"], label=name), args.model)
         m = method(spec, args.budget, args.prefill_chunk)
         runs_here(m, args.model)
+    else:  # the default is known once the model loads: what every candidate refuses is refused now
+        from .defaults import CANDIDATES
+
+        check_protected(min(CANDIDATES, key=lambda c: sum(protected(c))), args.budget, args.prefill_chunk)
     device(args.device)
 
     from transformers import TextStreamer

@@ -20,6 +20,7 @@ LEARNED = "learnedzip"
 FALLBACK = "mixedmerge"
 SLIDING = "learnedzip:sliding=0.75"
 VLLM = "learnedzip:alloc=uniform"
+CANDIDATES = (LEARNED, SLIDING, VLLM, FALLBACK)  # every spec `default_method` returns
 RULE = (f"{LEARNED} where the model has learned-scorer weights (both bundled models; {SLIDING} on models with "
         f"sliding-window layers, {VLLM} in vLLM), else {FALLBACK}")
 

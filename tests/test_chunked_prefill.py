@@ -91,7 +91,7 @@ def test_bad_chunks_and_unsupported_methods_get_clear_errors():
     for chunk in (0, -3, 2.5):
         with pytest.raises(ValueError, match="positive number of tokens"):
             kvmerge.generate_ids(model, ctx, [3], snap, prefill_chunk=chunk)
-    with pytest.raises(ValueError, match="10 is below the protected sinks \+ window \(4 \+ 8\)"):
+    with pytest.raises(ValueError, match=r"10 is below the protected sinks \+ window \(4 \+ 8\)"):
         kvmerge.generate_ids(model, ctx, [3], snap, prefill_chunk=10)
     with pytest.raises(ValueError, match="below the protected sinks"):
         kvmerge.get_method("snapkv", budget=10, window=8)
