@@ -103,7 +103,7 @@ def extras(name, q, k, probes, cos, sin, ids):
     parts = {"meanq": lambda: meanq(q, k), "kmeans": lambda: kmeans(q, k, probes),
              "stride": lambda: stride(q, k, probes, cos, sin), "ngram": lambda: ngrams(ids)}
     names = list(parts) if name == "all" else [] if name == "base" else name.split("+")
-    n, h, _ = k.shape
+    n = k.shape[0]
     return torch.cat([parts[p]().reshape(n, -1) for p in names], -1) if names else k.new_zeros(n, 0)
 
 
