@@ -25,14 +25,13 @@ class Allocation:
     counts: list[torch.Tensor]
 
     @classmethod
-    def of(cls, method, contexts: Iterable[tuple], target: int, window: int) -> Allocation:
-        """`contexts`: per layer `(kv, ctx)` of every row, an iterable read once (a generator keeps one
-        layer's tensors alive at a time); `target`: the uniform count per head. Empty
-        slots (a head's padding from an earlier global compression: log-mass −inf) score −inf, so
+    def of(cls, method, scored: Iterable[tuple], target: int, window: int) -> Allocation:
+        """`scored`: per layer `(scores (b, h, s), log_n (b, h, s))` of every row, an iterable read once
+        (a generator keeps one layer's tensors alive at a time); `target`: the uniform count per head.
+        Empty slots (a head's padding from an earlier global compression: log-mass −inf) score −inf, so
         that no head keeps one while it has an entry (a chunked prefill compresses such a cache again)."""
         check_global(method)
-        scores = [method.scores(kv.keys, kv.log_n, ctx).masked_fill(torch.isneginf(kv.log_n), float("-inf"))
-                  for kv, ctx in contexts]
+        scores = [s.masked_fill(torch.isneginf(log_n), float("-inf")) for s, log_n in scored]
         return cls(scores, global_counts(scores, target, method.sinks, window, method.alloc, method.floor))
 
     def layer(self, i: int):
@@ -132,12 +131,12 @@ def top_slots_per_head(scores: torch.Tensor, counts: torch.Tensor, sinks: int, w
     """Each head keeps its own number of slots: scores `(b, h, s)`, counts `(b, h)` → (idx `(b, h, W)` in
     position order, W the largest count; `filler` `(b, h, W)` bool: slots beyond a head's count, to be
     marked empty). Protected slots are always kept, so the last `window` slots stay the recent window."""
-    s = scores.shape[-1]
+    s, width = scores.shape[-1], int(counts.max())
     value = fill_protected(scores, sinks, window, float("inf"))
     order = torch.argsort(value, dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(s, device=order.device).expand_as(order).contiguous())
-    keep = rank < counts[..., None]
-    pos = torch.arange(s, device=scores.device).expand_as(order)
-    idx = torch.where(keep, pos, pos + s).argsort(-1)[..., :int(counts.max())].sort(-1).values
+    ranked_in = torch.arange(s, device=scores.device) < counts[..., None]  # (b, h, s): rank r is kept
+    keep = torch.zeros_like(ranked_in).scatter_(-1, order, ranked_in)
+    filler = ~keep & ((~keep).cumsum(-1) <= (width - counts)[..., None])  # each head's first unkept slots
+    pos = torch.arange(s, device=scores.device).expand_as(keep)
+    idx = pos.masked_select(keep | filler).view(*counts.shape, width)  # exactly `width` per head, in order
     return idx, ~keep.gather(-1, idx)
-

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
+from .ops import packed
 from .ops.kv import KV
 
 LOG_N_DTYPE = torch.float32
@@ -49,13 +50,14 @@ class MergedLayer(DynamicLayer):
         self._live, self._kept = None, []  # ragged: (h, width) bool, the padded slots each head keeps; their counts
         self._pk = self._pv = self._pl = self._next = None  # ragged: packed buffers, next write slots (see above)
         self._starts = self._lens = self._caps = ()
+        self._map = None  # ragged: (the `_live`, `_starts`, `_lens` it was made for, the slot map)
         super().__init__(**kwargs)
         self.seen = 0
 
     # -- the tensors: views of the buffers ----------------------------------------------------
     def _view(self, name: str) -> torch.Tensor | None:
         if self._pk is not None:
-            return getattr(self.kv(), name)
+            return self._padded(name)
         buf = getattr(self, "_" + name)
         return None if buf is None else buf[:, :, :self._length]
 
@@ -189,7 +191,7 @@ class MergedLayer(DynamicLayer):
     def full_log_n(self) -> torch.Tensor:
         """`log_n` materialised (zeros when the cache holds plain tokens only)."""
         if self._pk is not None:
-            return self.kv().log_n
+            return self._padded("log_n")
         if self.log_n is not None:
             return self.log_n
         b, h, s, _ = self.keys.shape
@@ -198,18 +200,14 @@ class MergedLayer(DynamicLayer):
     def kv(self) -> KV:
         if self._pk is None:
             return KV(self.keys, self.values, self.full_log_n())
-        parts = []
-        width = self._live.shape[1]
-        for head, live, count in zip(self._segments(), self._live, self._kept):  # the padded layout, then appends
-            at = live.nonzero().squeeze(1)
-            part = []
-            for x, fill in zip(head, (0.0, 0.0, float("-inf"))):
-                padded = x.new_full((*x.shape[:2], width + x.shape[2] - count, *x.shape[3:]), fill)
-                padded[:, :, at] = x[:, :, :count]
-                padded[:, :, width:] = x[:, :, count:]
-                part.append(padded)
-            parts.append(part)
-        return KV(*(torch.cat(xs, 1) for xs in zip(*parts)))
+        return KV(*(self._padded(name) for name in ("keys", "values", "log_n")))
+
+    def last(self, count: int) -> KV:
+        """Each head's last `count` slots of the padded layout, `KV` `(b, h, count, ...)`: what the
+        scores of a chunk's fresh slots read, without the rest of the layer."""
+        if self._pk is None:
+            return self.kv().narrow(self.entries - count, count)
+        return KV(*(self._padded(name, self.entries - count) for name in ("keys", "values", "log_n")))
 
     def compact(self) -> bool:
         """Store each KV head at its own length when some head's slots are empty in every batch row
@@ -221,9 +219,7 @@ class MergedLayer(DynamicLayer):
         kv = self.kv()
         live = ~torch.isinf(kv.log_n).all(0)  # (h, s): a slot some row still uses
         counts = live.sum(-1).tolist()
-        slot_bytes = kv.keys.shape[0] * (kv.keys.shape[-1] * kv.keys.element_size()
-                                         + kv.values.shape[-1] * kv.values.element_size() + kv.log_n.element_size())
-        if (live.numel() - sum(counts)) * slot_bytes <= live.numel():  # saves less than the mask costs
+        if not packed.worth_packing(live, kv.keys.shape[0], _slot_bytes(kv.keys, kv.values)):
             return False
         flat = live.flatten().nonzero().squeeze(1)  # head by head, in slot order
         keys, values, log_n = (x.flatten(1, 2).index_select(1, flat) for x in kv)
@@ -267,15 +263,16 @@ class MergedLayer(DynamicLayer):
         self._set_packed(keys, values, log_n, lens)
         self.seen = max(head.seen for head in heads)
 
-    def _set_packed(self, keys, values, log_n, lens: tuple) -> None:
-        """Become ragged: `keys`/`values` `(b, Σ lens, d)` and `log_n` `(b, Σ lens)` (or None) hold the
-        heads back to back, each head's segment exactly its `lens` slots (no spare capacity)."""
+    def _set_packed(self, keys, values, log_n, lens: tuple, caps: tuple | None = None) -> None:
+        """Become ragged: `keys`/`values` `(b, Σ caps, d)` and `log_n` `(b, Σ caps)` (or None) hold the
+        heads back to back, each head's segment `caps` slots (default: exactly its `lens`) of which the
+        first `lens` are held."""
         self._keys = self._values = self._log_n = None
         self._length = 0
         self._pk, self._pv = keys.contiguous(), values.contiguous()
         self._pl = None if log_n is None else log_n.to(LOG_N_DTYPE).contiguous()
-        self._lens = self._caps = lens
-        self._starts = tuple(sum(lens[:i]) for i in range(len(lens)))
+        self._lens, self._caps = lens, lens if caps is None else caps
+        self._starts = tuple(sum(self._caps[:i]) for i in range(len(lens)))
         self._next = torch.tensor([s + n for s, n in zip(self._starts, lens)], device=keys.device)
 
     def _segments(self):
@@ -284,6 +281,26 @@ class MergedLayer(DynamicLayer):
             log_n = (self._pl[:, None, s:s + n] if self._pl is not None
                      else torch.zeros(self._pk.shape[0], 1, n, dtype=LOG_N_DTYPE, device=self._pk.device))
             yield self._pk[:, None, s:s + n], self._pv[:, None, s:s + n], log_n
+
+    def _slot_map(self) -> torch.Tensor:
+        """`(h, entries)` long: where each slot of the padded layout is in the packed buffers (-1: empty);
+        kept while the layout is (every change replaces `_live` or the `_starts`/`_lens` tuples)."""
+        memo = self._map
+        if memo is None or memo[0] is not self._live or memo[1:3] != (self._starts, self._lens):
+            device = self._pk.device
+            self._map = memo = (self._live, self._starts, self._lens, packed.slot_map(
+                self._live, torch.tensor(self._starts, device=device), torch.tensor(self._kept, device=device),
+                self._lens[0] - self._kept[0]))
+        return memo[3]
+
+    def _padded(self, name: str, start: int = 0) -> torch.Tensor:
+        """The padded layout's `keys`, `values` or `log_n` from slot `start` on, read from the packed buffers."""
+        at = self._slot_map()[:, start:]
+        buf = {"keys": self._pk, "values": self._pv, "log_n": self._pl}[name]
+        if buf is None:  # log-mass all zeros
+            return torch.zeros(self._pk.shape[0], *at.shape, dtype=LOG_N_DTYPE,
+                               device=at.device).masked_fill(at < 0, float("-inf"))
+        return packed.gather(buf, at, float("-inf") if name == "log_n" else 0.0)
 
     def _repack(self, caps: tuple) -> None:
         """Segments of `caps` slots each (at least the slots held), the held slots copied."""
@@ -358,10 +375,44 @@ class MergedLayer(DynamicLayer):
             self._log_n[:, :, :n] = log_n
         self._length = n
 
-    def select(self, idx: torch.Tensor, empty: torch.Tensor | None = None) -> None:
-        """Keep slots `idx` `(batch, kv_heads, k)`; those flagged in `empty` become empty slots."""
-        keys, values, log_n = self.kv().take(idx)
-        self.replace(keys, values, log_n if empty is None else log_n.masked_fill(empty, float("-inf")))
+    def select(self, idx: torch.Tensor, empty: torch.Tensor | None = None, room: int = 0) -> None:
+        """Keep slots `idx` `(batch, kv_heads, k)` of the padded layout; those flagged in `empty` become
+        empty slots. Ragged heads are read from their packed buffers and stay packed when `compact`
+        would pack the result (one gather per buffer, no padded copy of the layer), with `room` spare
+        slots after each head's (for appends to come: a chunked prefill's next chunk)."""
+        if self._pk is None:
+            keys, values, log_n = self.kv().take(idx)
+            if empty is not None:  # empty slots are zeros with log-mass -inf
+                keys, values = keys.masked_fill(empty[..., None], 0), values.masked_fill(empty[..., None], 0)
+                log_n = log_n.masked_fill(empty, float("-inf"))
+            self.replace(keys, values, log_n)
+            return
+        b, h, k = idx.shape
+        at = self._slot_map()[None].expand(b, -1, -1).gather(2, idx)  # (b, h, k) packed positions
+        if empty is not None:
+            at = at.masked_fill(empty, -1)
+        if self._pl is not None:
+            at = at.masked_fill(torch.isneginf(packed.gather(self._pl, at, float("-inf"))), -1)
+        live = (at >= 0).any(0)  # (h, k): a slot some row keeps
+        if not packed.worth_packing(live, b, _slot_bytes(self._pk, self._pv)):
+            self.replace(*(x.view(b, h, k, *x.shape[2:]) for x in self._taken(at.flatten(1))))
+            return
+        counts = live.sum(-1)
+        caps = counts + room
+        held = at[:, live]  # (b, Σ counts): head by head, in slot order
+        into = at.new_full((b, int(caps.sum())), -1)  # each head's held slots, then `room` free ones
+        into[:, (live.cumsum(-1) - 1 + (caps.cumsum(0) - caps)[:, None])[live]] = held
+        plain = not bool((held < 0).any()) and (self._pl is None or bool((packed.take(self._pl, held, 0.0) == 0).all()))
+        keys, values, log_n = self._taken(into, log_n=not plain)  # plain: every held slot a plain token
+        self._live, self._kept = live, counts.tolist()
+        self._set_packed(keys, values, log_n, tuple(self._kept), tuple(caps.tolist()))
+
+    def _taken(self, at: torch.Tensor, log_n: bool = True) -> tuple:
+        """Ragged: the packed slots `at` `(b, n)` (-1: an empty slot, zeros with log-mass -inf), new tensors
+        `(b, n, d)`, `(b, n, d)` and `(b, n)` (None unless `log_n`)."""
+        mass = None if not log_n else packed.take(self._pl, at, float("-inf")) if self._pl is not None else \
+            torch.zeros(at.shape, dtype=LOG_N_DTYPE, device=at.device).masked_fill(at < 0, float("-inf"))
+        return packed.take(self._pk, at, 0.0), packed.take(self._pv, at, 0.0), mass
 
     def map_rows(self, fn: Callable[[KV, torch.Tensor], KV]) -> None:
         """Replace the layer by `fn(kv, rows)` applied to dense groups of batch rows.
@@ -384,6 +435,11 @@ class MergedLayer(DynamicLayer):
     def mass(self) -> torch.Tensor:
         """Tokens each (row, head) stands for: sum of exp(log_n), `(batch, kv_heads)`."""
         return self.full_log_n().exp().sum(-1)
+
+
+def _slot_bytes(keys: torch.Tensor, values: torch.Tensor) -> int:
+    """One row's bytes per slot: a key, a value and a log-mass."""
+    return keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size() + LOG_N_DTYPE.itemsize
 
 
 def stack_rows(parts: list[KV]) -> KV:

@@ -11,12 +11,12 @@ groups of rows, see `MergedLayer.map_rows`), `compact()`, `entries` and `seen`: 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from .allocation import Allocation, is_global
-from .methods.base import LayerContext, LayerState, Method, carry_all
+from .allocation import Allocation, is_global, top_slots_per_head
+from .methods.base import CarriedScores, LayerContext, LayerState, Method, ScoringMethod, carry_all
 from .ops.kv import KV
 from .sliding import hold_sliding
 
@@ -27,13 +27,14 @@ class View:
     `plain` trailing slots that are plain tokens not yet compressed, `captured` real tokens among each
     layer's captured queries (`LayerState.queries`). `window`: the protected recent tokens; `scaling`:
     the model's factor on q·k; `token_rows` each row's prompt ids; `surprisal` `(batch, width)` their
-    −log p, left-padded; `running`: a chunked prefill (the target grows with the tokens seen);
+    −log p, left-padded; `running`: a chunked prefill (the target grows with the tokens seen), `room`:
+    slots per head it appends before the next compression (its chunk; kept free where heads are packed);
     `target`: a runtime's own count per head (vLLM's block layout), else the target rule's. `layers`:
     each layer's index in the model (what `prepare` and `runtime.scratch` take), `positions`: its index
     among the `num_layers` compressed layers (what `LayerContext.layer_idx` says); both default to 0,
     1, ... `model_layers`: every layer of the model's cache, the sliding-window ones `method.sliding`
     shortens included (None: none to shorten). `extra`, the entries the sliding share adds to every
-    target, is the planner's to set."""
+    target, and `ids`, the fresh tokens' ids as tensors (keyed by rows and count), are the planner's."""
 
     seen: torch.Tensor
     plain: torch.Tensor
@@ -49,6 +50,8 @@ class View:
     num_layers: int | None = None
     model_layers: list | None = None
     extra: int = 0
+    room: int = 0
+    ids: dict = field(default_factory=dict)
 
 
 class Entries:
@@ -106,14 +109,19 @@ def compress_layers(method: Method, runtime, layers: list, states: list[LayerSta
     method.plan(layers, states, LayerContext(
         layer_idx=-1, num_layers=num, target=target, sinks=method.sinks, window=view.window, scaling=view.scaling,
         rows=rows, surprisal=None if view.surprisal is None or not dense else view.surprisal[:, -n:]))
-    allocation = None
-    if is_global(method):  # every layer scored first, one at a time: a layer's copies are freed once scored
-        allocation = Allocation.of(method, ((kv, layer_context(method, view, p, num, kv, rows, state)) for p, kv, state
-                                            in zip(positions, (layer.kv() for layer in layers), states)), target, view.window)
     compressed = torch.zeros(len(view.seen), dtype=torch.bool)
-    for j, (p, layer, state) in enumerate(zip(positions, layers, states)):
+    for state in states:
         state.targets = torch.zeros(len(view.seen), dtype=torch.long)
         state.scaling, state.extra = view.scaling, view.extra
+    if on_packed_buffers(method, layers):
+        _compress_packed(method, view, layers, states, positions, num, target, compressed)
+        return compressed
+    allocation = None
+    if is_global(method):  # every layer scored first, one at a time: a layer's copies are freed once scored
+        allocation = Allocation.of(method, (_scored(method, kv, layer_context(method, view, p, num, kv, rows, state))
+                                            for p, kv, state in zip(positions, (layer.kv() for layer in layers), states)),
+                                   target, view.window)
+    for j, (p, layer, state) in enumerate(zip(positions, layers, states)):
         alloc = None if allocation is None else allocation.layer(j)
         if alloc is None:
             layer.map_rows(lambda kv, r, p=p, state=state: _compress(method, view, p, num, kv, r, state, None, compressed))
@@ -123,6 +131,49 @@ def compress_layers(method: Method, runtime, layers: list, states: list[LayerSta
         if not method.needs.decode_policy:  # heads left at different lengths are stored at their own,
             layer.compact()  # layer by layer: one padded layout at a time
     return compressed
+
+
+def on_packed_buffers(method: Method, layers: list) -> bool:
+    """Whether `compress_layers` compresses `layers` on their own buffers (`_compress_packed`): `method`
+    keeps each head's top-scored slots by a global allocation and scores a chunk's fresh slots from
+    those slots alone (`CarriedScores.fresh_scores`), and every layer reads its last slots (`last`) and
+    keeps slots in place (`select`), as `MergedLayer` does."""
+    kind = type(method)
+    return (is_global(method) and isinstance(method, CarriedScores) and kind.scores is CarriedScores.scores
+            and kind.fresh_scores is not CarriedScores.fresh_scores and kind.compress is ScoringMethod.compress
+            and all(hasattr(layer, "last") and hasattr(layer, "select") for layer in layers))
+
+
+def _compress_packed(method, view, layers, states, positions, num, target, compressed) -> None:
+    """Global allocation read and written on the layers' own buffers: each layer's fresh slots scored
+    from its last slots, carried scores in front; the allocation's picks kept with one `select` per
+    layer (ragged heads stay packed). The same picks as `method.compress` on each layer's padded copy,
+    which this never builds (under a chunked prefill it would grow with every chunk)."""
+    rows = torch.arange(len(view.seen))
+    fresh, contexts, scored = int(view.plain.min()), [], []
+    for p, layer, state in zip(positions, layers, states):
+        n = layer.entries
+        tail = layer.last(min(n, fresh))
+        ctx = layer_context(method, view, p, num, tail, rows, state, slots=n)
+        scored.append((method.with_carried(method.fresh_scores(tail.keys, tail.values, ctx), n, ctx), layer.full_log_n()))
+        contexts.append(replace(ctx, queries=None, values=None))  # what `selected` reads: rows and state
+    allocation = Allocation.of(method, scored, target, view.window)
+    for layer, state, ctx, (score, counts) in zip(layers, states, contexts, map(allocation.layer, range(len(layers)))):
+        n = layer.entries
+        state.targets[rows] = int(counts.max())
+        if bool((counts < n).any()):
+            compressed[rows] = True
+            idx, filler = top_slots_per_head(score, counts, method.sinks, view.window)
+            method.tell_selected(idx, ctx)
+            layer.select(idx, filler, view.room)
+        elif view.running and n:  # kept whole: the scores a later chunk cannot recompute are carried
+            method.tell_selected(torch.arange(n).expand(score.shape), ctx)
+        state.compressed_at = layer.seen
+        layer.compact()
+
+
+def _scored(method, kv: KV, ctx: LayerContext) -> tuple[torch.Tensor, torch.Tensor]:
+    return method.scores(kv.keys, kv.log_n, ctx), kv.log_n
 
 
 def _compress(method, view, position, num, kv, rows, state, alloc, compressed) -> KV:
@@ -138,25 +189,29 @@ def _compress(method, view, position, num, kv, rows, state, alloc, compressed) -
 
 
 def layer_context(method: Method, view: View, position: int, num_layers: int, kv: KV, rows: torch.Tensor,
-                  state: LayerState, alloc=None) -> LayerContext:
+                  state: LayerState, alloc=None, slots: int | None = None) -> LayerContext:
     """The `LayerContext` of compressed layer `position` (of `num_layers`) for the batch `rows` of a
-    cache `kv` (`KV` of those rows): the method sees at most its `needs.queries` of the layer's captured
-    queries (the last `view.captured` of which are real for all `rows`), and the ids and surprisal of
-    the last `fresh` tokens (the plain ones not yet compressed). `alloc`: this layer's global
-    allocation (scores, counts)."""
+    cache `kv` (`KV` of those rows; or of its last slots only, `slots` being the layer's): the method
+    sees at most its `needs.queries` of the layer's captured queries (the last `view.captured` of which
+    are real for all `rows`), and the ids and surprisal of the last `fresh` tokens (the plain ones not
+    yet compressed). `alloc`: this layer's global allocation (scores, counts)."""
+    slots = kv.slots if slots is None else slots
     seen = int(view.seen[rows].max())
-    fresh = min(kv.slots, int(view.plain[rows].min()))
+    fresh = min(slots, int(view.plain[rows].min()))
     queries = state.queries
     if queries is not None:
         keep = min(int(view.captured[rows].min()), queries.shape[2])
         keep = keep if method.needs.queries < 0 else min(keep, method.needs.queries)
-        queries = queries[rows][:, :, queries.shape[2] - keep:]
-    target = view.target if view.target is not None else target_rule(method, kv.slots, seen, view.window,
+        whole = rows.tolist() == list(range(queries.shape[0]))  # every row: a view, not a copy
+        queries = (queries if whole else queries[rows])[:, :, queries.shape[2] - keep:]
+    target = view.target if view.target is not None else target_rule(method, slots, seen, view.window,
                                                                       view.running, view.extra)
     device, token_rows, surprisal = kv.keys.device, view.token_rows, view.surprisal
+    key = (tuple(rows.tolist()), fresh, device)  # the same for most layers: built once per compression
+    if token_rows is not None and key not in view.ids:
+        view.ids[key] = torch.tensor([token_rows[int(b)][len(token_rows[int(b)]) - fresh:] for b in rows], device=device)
     return LayerContext(
         layer_idx=position, num_layers=num_layers, target=target, sinks=method.sinks, window=view.window,
         scaling=view.scaling, queries=queries, rows=rows, state=state, values=kv.values, seen=seen, alloc=alloc,
-        token_ids=None if token_rows is None else torch.tensor(
-            [token_rows[int(b)][len(token_rows[int(b)]) - fresh:] for b in rows], device=device),
+        token_ids=None if token_rows is None else view.ids[key],
         surprisal=None if surprisal is None else surprisal[rows][:, -fresh:].to(device))

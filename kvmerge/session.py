@@ -182,7 +182,8 @@ class Session:
             fed = torch.tensor([len(p) > 0 for p in part])
             last = logits if last is None else torch.where(fed[:, None].to(logits.device), logits, last)
             if method is not None:
-                self.compress([r[:start + chunk] for r in rows], window, surprisal, running=True)
+                self.compress([r[:start + chunk] for r in rows], window, surprisal, running=True,
+                              room=chunk if start + chunk < width else 0)
             self.timings["prefill_seconds"] += t1 - t0
             self.timings["compress_seconds"] += self._clock() - t1
         return last
@@ -233,12 +234,13 @@ class Session:
 
     @torch.no_grad()
     def compress(self, token_rows: list[list[int]] | None = None, window: int | None = None,
-                 surprisal: torch.Tensor | None = None, running: bool = False) -> None:
+                 surprisal: torch.Tensor | None = None, running: bool = False, room: int = 0) -> None:
         """Compress every full-attention layer with the session's method (`kvmerge.planner.compress_layers`;
         padding slots are stripped per row first). `surprisal` `(batch, width)`, left-padded like the
         rows, reaches methods as `ctx.surprisal`; captured queries are released afterwards. `running`
         (chunked prefill): the target is `method.running_target` of the tokens seen so far, and methods
-        see the ids of the plain tokens not yet compressed only (`ctx.token_ids`)."""
+        see the ids of the plain tokens not yet compressed only (`ctx.token_ids`); `room`: the slots the
+        next chunk appends."""
         method, picked = self.method, self.cache.compressible
         if self.before_compress is not None:
             self.before_compress()
@@ -251,7 +253,7 @@ class Session:
         layers = [self.cache.layers[i] for i in picked]
         # the counters copied: a method's second pass feeds the session and restores them
         view = View(self.seen.clone(), self.plain.clone(), self.captured.clone(), window, self.runtime.scaling,
-                    token_rows, surprisal, running, layers=picked, model_layers=self.cache.layers)
+                    token_rows, surprisal, running, layers=picked, model_layers=self.cache.layers, room=room)
         compressed = compress_layers(method, self.runtime, layers, [self.states[i] for i in picked], view)
         for state in self.states:
             state.queries = None

@@ -102,8 +102,8 @@ def _surprisal_seen(chunk):
     s = kvmerge.Session(tiny_model(), 2, kvmerge.get_method("surprisal", budget=1.0, window=8), TinyTokenizer())
     given = []
     compress = s.compress
-    s.compress = lambda rows, window=None, surprisal=None, running=False: (
-        given.append(surprisal), compress(rows, window, surprisal, running))
+    s.compress = lambda rows, window=None, surprisal=None, running=False, room=0: (
+        given.append(surprisal), compress(rows, window, surprisal, running, room))
     with torch.no_grad():
         s.prefill([random_ids(150, seed=8), random_ids(97, seed=9)], chunk=chunk)
     return given[-1]

@@ -162,3 +162,40 @@ def test_heads_read_and_written_back_keep_the_layer(monkeypatch):
     layer.heads = layer.heads
     assert layer.ragged and layer.entries == entries and layer.nbytes == nbytes
     assert all(torch.equal(a, b) for a, b in zip(layer.kv(), kv))
+
+
+@pytest.mark.parametrize("spec", ["learnedzip:window=8", "kvzip:alloc=head:window=8:chunk=64",
+                                  "surprisal:alloc=head:window=8", "learnedzip:alloc=adakv:floor=0.5:window=8"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_compressing_on_the_packed_buffers_equals_compressing_each_padded_copy(spec, batch, monkeypatch):
+    """The planner compresses a method that scores fresh slots alone (the default) on the layers' own
+    buffers (`planner.on_packed_buffers`): chunk after chunk, the cache (entries, storage, empty slots),
+    the scores carried and decoding are exactly those of the general path, which compresses a padded
+    copy of each layer with `method.compress`."""
+    from kvmerge import planner
+
+    model = tiny_model(num_hidden_layers=3)
+    rows = [random_ids(300, seed=20 + r) for r in range(batch)]
+    sessions, calls = [], []
+    for general in (False, True):
+        with monkeypatch.context() as m:
+            real = planner.on_packed_buffers
+            m.setattr(planner, "on_packed_buffers", lambda method, layers, general=general:
+                      calls.append(real(method, layers)) or (not general and calls[-1]))
+            method = kvmerge.get_method(spec, 0.25)
+            session = Session(model, batch, method, TinyTokenizer())
+            first = session.prefill(rows, method.window, 64)
+        sessions.append((session, first, _greedy(session, first, 4)))
+    assert all(calls)  # the method and layers qualify: the first run took the packed path every time
+    (packed, first, (tokens, logits)), (general, general_first, (general_tokens, general_logits)) = sessions
+    assert any(packed.cache.layers[i].ragged for i in packed.cache.compressible)
+    assert torch.equal(first, general_first) and tokens == general_tokens
+    torch.testing.assert_close(logits, general_logits, atol=1e-6, rtol=1e-6)
+    for i in packed.cache.compressible:
+        x, y = packed.cache.layers[i], general.cache.layers[i]
+        assert (x.ragged, x.entries, x._lens, x._kept) == (y.ragged, y.entries, y._lens, y._kept)
+        assert (x.log_n is None) == (y.log_n is None)  # plain tokens only: attention's fast path
+        assert all(torch.equal(a, b) for a, b in zip(x.kv(), y.kv()))
+        name = kvmerge.get_method(spec).name
+        carried, general_carried = packed.states[i].scratch[name], general.states[i].scratch[name]
+        assert all(torch.equal(carried[r], general_carried[r]) for r in range(batch))

@@ -335,6 +335,16 @@ class CarriedScores:
     under chunked prefill only the fresh slots can be scored: the entries an earlier compression kept
     keep the score they were kept with, carried per row in `ctx.state.scratch[name]`."""
 
+    def fresh_scores(self, keys, values, ctx: LayerContext) -> torch.Tensor:
+        """Scores `(b, h, f)` of the last f slots of `keys`/`values` `(b, h, ≥ f, d)` (f: the slots the
+        method scores afresh), read from those slots alone: the planner may pass a layer's last slots
+        only (`MergedLayer.last`). A method whose fresh scores read the whole cache defines `scores`
+        instead."""
+        raise NotImplementedError
+
+    def scores(self, keys, log_n, ctx: LayerContext) -> torch.Tensor:
+        return self.with_carried(self.fresh_scores(keys, ctx.values, ctx), keys.shape[2], ctx)
+
     def with_carried(self, fresh: torch.Tensor, n: int, ctx: LayerContext) -> torch.Tensor:
         """Fresh scores `(b, h, f)` of the last f slots → `(b, h, n)`, older slots' carried in front."""
         if fresh.shape[-1] < n:

@@ -99,13 +99,12 @@ class KVzip(CarriedScores, ScoringMethod):
                 runtime.probe(rows, listen)
         return {i: [torch.cat(chunks, -1) if chunks else None for chunks in found[i]] for i in layers}
 
-    def scores(self, keys, log_n, ctx):
+    def fresh_scores(self, keys, values, ctx):
         fresh = ctx.state.scratch.get("_kvzip_fresh") if ctx.state is not None else None
         if fresh is None:
             raise ValueError("kvzip scores come from its reconstruction pass: compress through a Session")
         f = min(fresh[int(b)].shape[-1] for b in ctx.rows)
-        return self.with_carried(torch.stack([fresh[int(b)][:, -f:] for b in ctx.rows]).to(keys.device),
-                                 keys.shape[2], ctx)
+        return torch.stack([fresh[int(b)][:, -f:] for b in ctx.rows]).to(keys.device)
 
 
 class _PlusNorms:

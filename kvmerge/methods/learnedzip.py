@@ -47,13 +47,15 @@ class LearnedZip(CarriedScores, ScoringMethod):
         if runtime.config is None:
             raise ValueError("learnedzip needs the model's config to find its scorer's weights")
         self._scorer, self._rotary = find(runtime.config, self.scorer), runtime.rotary
+        self._cos_sin = (None, None, None)  # (the positions they are for, cos, sin)
 
-    def scores(self, keys, log_n, ctx):
+    def fresh_scores(self, keys, values, ctx):
         if ctx.queries is None or not hasattr(self, "_scorer"):
-            raise ValueError("learnedzip scores the prompt's own queries: compress at prefill, through a runtime")
+            raise ValueError("learnedzip scores the prompt's own queries: compress through a runtime, at prefill")
         fresh = min(ctx.queries.shape[2], keys.shape[2])
-        cos, sin = self._rotary(torch.arange(ctx.seen - fresh, ctx.seen))
+        if self._cos_sin[0] != (ctx.seen, fresh):  # the same positions in every layer
+            self._cos_sin = ((ctx.seen, fresh), *self._rotary(torch.arange(ctx.seen - fresh, ctx.seen)))
+        _, cos, sin = self._cos_sin
         q = unrotate(ctx.queries[:, :, -fresh:].float(), cos, sin)
         k = unrotate(keys[:, :, -fresh:].float(), cos, sin)
-        predicted = (self.sharpen * self._scorer.predict(ctx.layer_idx, q, k, ctx.values[:, :, -fresh:])).exp()
-        return self.with_carried(predicted, keys.shape[2], ctx)
+        return (self.sharpen * self._scorer.predict(ctx.layer_idx, q, k, values[:, :, -fresh:])).exp()

@@ -29,9 +29,8 @@ class Surprisal(CarriedScores, ScoringMethod):
                              "or pass tokenizer= to generate_ids")
         self._table = delimiter_table(runtime.tokenizer)
 
-    def scores(self, keys, log_n, ctx):
+    def fresh_scores(self, keys, values, ctx):
         if ctx.surprisal is None or ctx.token_ids is None:
             raise ValueError("surprisal scores need the prompt's token ids and surprisal (prefill only)")
         is_end = self._table.to(keys.device)[ctx.token_ids] == STRONG_ANCHOR
-        fresh = sentence_mean(ctx.surprisal, is_end)[:, None].expand(keys.shape[0], keys.shape[1], -1)
-        return self.with_carried(fresh, keys.shape[2], ctx)
+        return sentence_mean(ctx.surprisal, is_end)[:, None].expand(keys.shape[0], keys.shape[1], -1)
