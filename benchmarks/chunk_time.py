@@ -32,7 +32,7 @@ def main():
         for c in chunks:
             t = prefilled(model, ids, spec, 0.25, tok, chunk=c)[1]
             total = t["prefill_s"] + t["compress_s"]
-            cells.append(f"{len(ids) / total:.0f} tok/s ({100 * t['compress_s'] / total:.0f}% compressing)")
+            cells.append(f"{len(ids) / total:.0f} tok/s ({100 * t['compress_s'] / total:.1f}% compressing)")
         print(f"| {spec} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -57,7 +57,7 @@ class MergedLayer(DynamicLayer):
     # -- the tensors: views of the buffers ----------------------------------------------------
     def _view(self, name: str) -> torch.Tensor | None:
         if self._pk is not None:
-            return self._padded(name)
+            return self._padded(names=(name,))[0]
         buf = getattr(self, "_" + name)
         return None if buf is None else buf[:, :, :self._length]
 
@@ -191,7 +191,7 @@ class MergedLayer(DynamicLayer):
     def full_log_n(self) -> torch.Tensor:
         """`log_n` materialised (zeros when the cache holds plain tokens only)."""
         if self._pk is not None:
-            return self._padded("log_n")
+            return self._padded(names=("log_n",))[0]
         if self.log_n is not None:
             return self.log_n
         b, h, s, _ = self.keys.shape
@@ -200,14 +200,14 @@ class MergedLayer(DynamicLayer):
     def kv(self) -> KV:
         if self._pk is None:
             return KV(self.keys, self.values, self.full_log_n())
-        return KV(*(self._padded(name) for name in ("keys", "values", "log_n")))
+        return KV(*self._padded())
 
     def last(self, count: int) -> KV:
         """Each head's last `count` slots of the padded layout, `KV` `(b, h, count, ...)`: what the
         scores of a chunk's fresh slots read, without the rest of the layer."""
         if self._pk is None:
             return self.kv().narrow(self.entries - count, count)
-        return KV(*(self._padded(name, self.entries - count) for name in ("keys", "values", "log_n")))
+        return KV(*self._padded(self.entries - count))
 
     def compact(self) -> bool:
         """Store each KV head at its own length when some head's slots are empty in every batch row
@@ -293,14 +293,21 @@ class MergedLayer(DynamicLayer):
                 self._lens[0] - self._kept[0]))
         return memo[3]
 
-    def _padded(self, name: str, start: int = 0) -> torch.Tensor:
-        """The padded layout's `keys`, `values` or `log_n` from slot `start` on, read from the packed buffers."""
+    def _padded(self, start: int = 0, names=("keys", "values", "log_n")) -> tuple:
+        """The padded layout's `names` (of keys, values, log_n) from slot `start` on, from the packed buffers."""
         at = self._slot_map()[:, start:]
-        buf = {"keys": self._pk, "values": self._pv, "log_n": self._pl}[name]
-        if buf is None:  # log-mass all zeros
-            return torch.zeros(self._pk.shape[0], *at.shape, dtype=LOG_N_DTYPE,
-                               device=at.device).masked_fill(at < 0, float("-inf"))
-        return packed.gather(buf, at, float("-inf") if name == "log_n" else 0.0)
+        h, n = at.shape
+        flat = at.flatten()
+        bufs = {"keys": self._pk, "values": self._pv, "log_n": self._pl}
+        out = []
+        for name in names:
+            if bufs[name] is None:  # log-mass all zeros
+                x = torch.zeros(self._pk.shape[0], h * n, dtype=LOG_N_DTYPE, device=at.device)
+                out.append(x.masked_fill_((flat < 0)[None], float("-inf")).view(-1, h, n))
+            else:
+                x = packed.take(bufs[name], flat, float("-inf") if name == "log_n" else 0.0)
+                out.append(x.view(x.shape[0], h, n, *x.shape[2:]))
+        return tuple(out)
 
     def _repack(self, caps: tuple) -> None:
         """Segments of `caps` slots each (at least the slots held), the held slots copied."""
@@ -400,7 +407,7 @@ class MergedLayer(DynamicLayer):
         counts = live.sum(-1)
         caps = counts + room
         held = at[:, live]  # (b, Σ counts): head by head, in slot order
-        into = at.new_full((b, int(caps.sum())), -1)  # each head's held slots, then `room` free ones
+        into = at.new_zeros(b, int(caps.sum()))  # each head's held slots, then `room` free ones (never read)
         into[:, (live.cumsum(-1) - 1 + (caps.cumsum(0) - caps)[:, None])[live]] = held
         plain = not bool((held < 0).any()) and (self._pl is None or bool((packed.take(self._pl, held, 0.0) == 0).all()))
         keys, values, log_n = self._taken(into, log_n=not plain)  # plain: every held slot a plain token

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from .errors import InputError, one_line
-from .ops.scores import rotate_half
 
 SHIPPED = Path(__file__).parent / "scorers"
 
@@ -37,8 +36,11 @@ def fingerprint(config) -> str:
 
 
 def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `(..., n, d)` rotated by RoPE at positions with (cos, sin) `(n, d)` → x before the rotation."""
-    return x * cos - rotate_half(x) * sin
+    """x `(..., n, d)` rotated by RoPE at positions with (cos, sin) `(n, d)` → x before the rotation:
+    x·cos − rotate_half(x)·sin, on the halves [x1, x2] → [x1·c1 + x2·s1, x2·c2 − x1·s2]."""
+    half = x.shape[-1] // 2
+    (x1, x2), (c1, c2), (s1, s2) = (t.split(half, -1) for t in (x, cos, sin))
+    return torch.cat([torch.addcmul(x1 * c1, x2, s1), torch.addcmul(x2 * c2, x1, s2, value=-1)], -1)
 
 
 def features(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -23,12 +23,17 @@ def take(buf: torch.Tensor, at: torch.Tensor, fill: float) -> torch.Tensor:
     """buf `(b, C, ...)`, at `(n,)` (the same for every row) or `(b, n)` packed positions (-1: empty) →
     `(b, n, ...)`, a new tensor, `fill` where `at` is -1."""
     rest, safe = buf.shape[2:], at.clamp(min=0)
-    if at.dim() == 1 or at.shape[0] == 1:  # one set of positions: one indexed copy
+    if buf.shape[0] == 1 and not (buf.requires_grad and torch.is_grad_enabled()):  # rows of a matrix: faster
+        out = buf.new_empty(1, safe.numel(), *rest)
+        torch.index_select(buf[0], 0, safe.reshape(-1), out=out[0])
+    elif at.dim() == 1 or at.shape[0] == 1:
         out = buf.index_select(1, safe.reshape(-1))
     else:
         out = buf.gather(1, safe.view(*safe.shape, *(1,) * len(rest)).expand(*safe.shape, *rest))
-    empty = (at < 0).view(-1 if at.dim() == 2 else 1, at.shape[-1], *(1,) * len(rest))
-    return out.masked_fill_(empty, fill)
+    empty = at < 0
+    if bool(empty.any()):
+        out.masked_fill_(empty.view(-1 if at.dim() == 2 else 1, at.shape[-1], *(1,) * len(rest)), fill)
+    return out
 
 
 def gather(buf: torch.Tensor, at: torch.Tensor, fill: float) -> torch.Tensor:
