@@ -53,8 +53,11 @@ def test_load_with_aborts_answers_as_alone_and_leaks_no_block(served):
     again = asyncio.run(alone(base, w, w.complete[:1]))[w.complete[0]]
     assert again.text == solo[w.complete[0]].text and proc.poll() is None  # still serving
     after = wait_idle(base, log, plugin=True, since=mark)
-    assert after["aborted"] - before["aborted"] == stopped >= ABORTS - 2, [o.__dict__ for o in aborted]
-    assert sum(after["abort_points"].values()) == stopped and after["abort_points"]["decoding"] >= 1, after
+    # A stream closed (or a client timing out) before vLLM's API server has handed the request to the engine
+    # is stopped on the client only: the engine never held it, so the scheduler sees at most `stopped` aborts.
+    seen = after["aborted"] - before["aborted"]
+    assert ABORTS - 2 <= seen <= stopped, (seen, [o.__dict__ for o in aborted])
+    assert sum(after["abort_points"].values()) == seen and after["abort_points"]["decoding"] >= 1, after
     assert after["blocks_held"] == 0 and after["free_blocks"] == POOL - 1  # every block back in the pool
     assert after["kv_cache_usage_perc"] == 0 and after["running"] == 0 and after["waiting"] == 0
     assert after["preemptions"] >= 1, after  # the pool was tight enough to preempt: those answered as alone too
