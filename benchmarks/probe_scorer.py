@@ -18,6 +18,9 @@ KV head; extras cost O(P·n·d) per head, P probes):
 * `ngram`: per token, how often its token and its n-grams occur in the context (`ngrams`);
 * `all`: the four together; `a+b`: any two.
 
+`--kind mlp` fits one hidden layer of GELUs per layer (as `kvmerge train-scorer --kind mlp`) on the
+same rows instead of the ridge.
+
 Printed: top-10% and top-25% overlap with KVzip per head (mean over layers and heads) and over all
 layers and heads at once (what `alloc=head` ranks), away from the first 4 and last 32 tokens."""
 
@@ -30,7 +33,7 @@ import torch
 import kvmerge
 from kvmerge.ops.scores import rotate_half
 from kvmerge.session import Session
-from kvmerge.train_scorer import fit, overlap
+from kvmerge.train_scorer import fit, fit_mlp, overlap
 
 SINKS, WINDOW = 4, 32
 
@@ -120,6 +123,14 @@ def rows(path, name, shape, probes, rotary):
     return out
 
 
+def predict(x, w):
+    """Rows `(n, F)` → `(n, h)` log scores: ridge weights `(F, h)`, or an MLP's parameters (`fit_mlp`)."""
+    if isinstance(w, torch.Tensor):
+        return x @ w
+    hidden = torch.nn.functional.gelu(((x - w["mu"]) / w["sd"]) @ w["w1"] + w["b1"])
+    return hidden @ w["w2"] + w["b2"]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("model")
@@ -128,6 +139,10 @@ def main():
     ap.add_argument("--probes", type=int, default=16)
     ap.add_argument("--ridge", type=float, default=1e-2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kind", choices=("linear", "mlp"), default="linear",
+                    help="ridge, or one hidden layer of GELUs (as `train-scorer --kind mlp`)")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--epochs", type=int, default=8)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = kvmerge.load_model(args.model)
@@ -138,27 +153,36 @@ def main():
     folder = Path(args.dir) / args.model
     train = sorted(folder.glob("train*.pt"))
     held = sorted(folder.glob("held*.pt"))
-    print(f"{args.model}: {len(train)} train pieces, {len(held)} held, {args.probes} probes, ridge {args.ridge}")
+    print(f"{args.model}: {len(train)} train pieces, {len(held)} held, {args.probes} probes, "
+          + (f"MLP of {args.hidden}, {args.epochs} epochs" if args.kind == "mlp" else f"ridge {args.ridge}"))
     print("| features | extra columns | top-10% per head | top-25% per head | top-10% all heads | time s |")
     print("|---|---|---|---|---|---|")
     for name in args.sets.split(","):
         start = time.perf_counter()
-        sums = None
-        for path in train:
-            part = [(x.T.double() @ x.double(), x.T.double() @ y.double()) for x, y in rows(path, name, shape, args.probes, rotary)]
-            sums = part if sums is None else [(a + p, b + r) for (a, b), (p, r) in zip(sums, part)]
-        weights = fit(sums, args.ridge)
+        if args.kind == "mlp":  # every training row in memory, per layer
+            parts = [rows(path, name, shape, args.probes, rotary) for path in train]
+            layers = [(torch.cat([p[i][0] for p in parts]), torch.cat([p[i][1] for p in parts]))
+                      for i in range(len(parts[0]))]
+            width = layers[0][0].shape[1]
+            weights = fit_mlp(layers, args.hidden, args.epochs, seed=0)
+            del parts, layers
+        else:
+            sums = None
+            for path in train:
+                part = [(x.T.double() @ x.double(), x.T.double() @ y.double()) for x, y in rows(path, name, shape, args.probes, rotary)]
+                sums = part if sums is None else [(a + p, b + r) for (a, b), (p, r) in zip(sums, part)]
+            weights, width = fit(sums, args.ridge), sums[0][0].shape[0]
         o10, o25, og = [], [], []
         for path in held:
             pred, true = [], []
             for (x, y), w in zip(rows(path, name, shape, args.probes, rotary), weights):
-                pred.append((x @ w)[SINKS:-WINDOW].T)
+                pred.append(predict(x, w)[SINKS:-WINDOW].T)
                 true.append(y[SINKS:-WINDOW].T)
             p, t = torch.stack(pred), torch.stack(true)  # (L, h, n')
             o10.append(overlap(p, t, 0.10))
             o25.append(overlap(p, t, 0.25))
             og.append(overlap(p.reshape(1, -1), t.reshape(1, -1), 0.10))
-        extra = sums[0][0].shape[0] - 1 - c.num_attention_heads * d - 2 * shape[1] * d
+        extra = width - 1 - c.num_attention_heads * d - 2 * shape[1] * d
         mean = lambda v: sum(v) / len(v)  # noqa: E731
         print(f"| {name} | {extra} | {mean(o10):.3f} | {mean(o25):.3f} | {mean(og):.3f} | "
               f"{time.perf_counter() - start:.0f} |", flush=True)
