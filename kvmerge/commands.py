@@ -248,13 +248,14 @@ def eval(args) -> int:  # noqa: A001 - the command's name
     for spec in args.methods:
         m = method(spec, args.budgets[0], args.prefill_chunk)
         runs_here(m, args.model)
-    from .model import load_model
+    from .model import DEFAULT_MODEL, load_model
 
     runner, report = _eval("runner"), _eval("report")
-    runner._read(Path(args.out) / f"{args.task}.jsonl", resuming=True)  # a cut-off last line: refused before loading
+    name = runner.model_label(args.model or DEFAULT_MODEL)  # a cut-off last line or another model's rows: refused before loading
+    runner.rows_of_model(Path(args.out) / f"{args.task}.jsonl", name)
     model, tok = load_model(args.model)
     runner.run(args.task, model, tok, args.methods, args.budgets, args.lengths, args.samples, args.out,
-               args.protocol, args.text, args.limit, args.subtasks, args.prefill_chunk)
+               args.protocol, args.text, args.limit, args.subtasks, args.prefill_chunk, model_name=name)
     print(report.report(args.out, plots=False))
     return 0
 

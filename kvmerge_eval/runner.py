@@ -45,16 +45,35 @@ def run_key(method, budget, meta) -> tuple:
     return (method, float(budget), meta.get("task", "niah"), meta["length"], meta["seed"], meta.get("depth"))
 
 
+def model_label(name_or_path) -> str:
+    """The model's name in results rows: a bundled name, a folder's or a hub id's last part."""
+    return Path(str(name_or_path or "model")).name
+
+
+def rows_of_model(path, model: str) -> list[dict]:
+    """The rows of a results file a run of `model` resumes from; a file holding another model's rows
+    is refused (`InputError`), since a results file is one model's (rows without a model predate the
+    field and count as this model's)."""
+    rows = _read(path, resuming=True)
+    others = sorted({r["model"] for r in rows if r.get("model", model) != model})
+    if others:
+        raise InputError(f"results file {path} holds rows of model {', '.join(others)}, not {model}: give each "
+                         f"model its own folder (--out {Path(path).parent / model})")
+    return rows
+
+
 def run(task, model, tok, methods, budgets, lengths, samples, out_dir, protocol="agnostic", text=None,
-        limit=None, subtasks=None, prefill_chunk=None) -> list[dict]:
+        limit=None, subtasks=None, prefill_chunk=None, model_name=None) -> list[dict]:
     """Append one JSON line per (method, budget, sample) to `out_dir/<task>.jsonl`, skipping finished
     ones; then write `<task>_summary.csv/json`. Returns the summary rows. `prefill_chunk`: chunked
-    prefill, recorded as method `<spec>@chunk<N>` so that its rows stand beside one-shot ones."""
+    prefill, recorded as method `<spec>@chunk<N>` so that its rows stand beside one-shot ones. Rows
+    record `model_name` (default: `model_label` of the model's folder); one file holds one model's."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{task}.jsonl"
+    name = model_name or model_label(getattr(getattr(model, "config", None), "name_or_path", None))
     methods = [current_spec(m) for m in methods]  # rows are written under the current names
-    done = {run_key(r["method"], r["budget"], r) for r in _read(path, resuming=True)}
+    done = {run_key(r["method"], r["budget"], r) for r in rows_of_model(path, name)}
     label = (lambda m: f"{m}@chunk{prefill_chunk}") if prefill_chunk else (lambda m: m)
     data = build_samples(task, tok, lengths, samples, text, subtasks)[:limit]
     for m in methods:
@@ -72,7 +91,7 @@ def run(task, model, tok, methods, budgets, lengths, samples, out_dir, protocol=
         for i, (prompt, jobs) in enumerate(groups.items()):
             bar.set_postfix_str(f"prompt {i + 1}/{len(groups)}: {len(prompt)} tokens, {len(jobs)} runs")
             for row in _run_prompt(task, model, tok, list(prompt), jobs, protocol, prefill_chunk):
-                _append(f, (json.dumps(row) + "\n").encode())
+                _append(f, (json.dumps({"model": name, **row}) + "\n").encode())
                 bar.update(1)
     return write_summary(out, task)
 

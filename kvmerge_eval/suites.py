@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .corpus import GENRES
-from .runner import METRICS, TASKS, _read, run_key, summarize
+from .runner import METRICS, TASKS, _read, rows_of_model, run_key, summarize
 
 SUITES = Path(__file__).parent / "suites"
 _RUN_KEYS = {"label", "task", "subtasks", "lengths", "samples", "limit", "prefill_chunk", "models", "methods",
@@ -131,14 +131,15 @@ def run_suite(suite: Suite, models=None, root="results", load_model=None) -> Non
         runs = [r for r in suite.runs if model_name in r.models]
         if not runs:
             raise ValueError(f"suite {suite.name!r} has no run for model {model_name!r}; models: {', '.join(suite.models)}")
-        for r in runs:  # a results file cut off mid-line is refused before a model loads
-            _read(folder(suite, model_name, root) / f"{r.task}.jsonl", resuming=True)
+        for r in runs:  # a results file cut off mid-line, or another model's, is refused before a model loads
+            rows_of_model(folder(suite, model_name, root) / f"{r.task}.jsonl", model_name)
     for model_name in models or suite.models:
         runs = [r for r in suite.runs if model_name in r.models]
         model, tok = load_model(model_name)
         for r in runs:
             run_task(r.task, model, tok, r.methods, r.budgets, r.lengths, r.samples, folder(suite, model_name, root),
-                     text=r.text, limit=r.limit, subtasks=r.subtasks, prefill_chunk=r.prefill_chunk)
+                     text=r.text, limit=r.limit, subtasks=r.subtasks, prefill_chunk=r.prefill_chunk,
+                     model_name=model_name)
 
 
 def columns(run: Run) -> list[tuple]:

@@ -241,13 +241,17 @@ def test_report_says_what_it_wrote_with_readable_axes(capsys, tmp_path):
     assert (tmp_path / "niah_score_vs_budget.png").stat().st_size > 0
 
 
-def test_results_cut_off_mid_line_are_refused_in_one_line(capsys, files):
+def test_results_cut_off_or_of_another_model_are_refused_in_one_line(capsys, files):
     (files / "runs").mkdir()
     (files / "runs" / "niah.jsonl").write_text('{"method": "full", "budget": 1.0, "length": 300, "seed": 0}\n'
                                                '{"method": "full", "bud')
     fails(capsys, ["report", "runs"], "results file runs/niah.jsonl: the last line (2) is incomplete", "sed -i")
     fails(capsys, ["eval", "--task", "niah", "--methods", "full", "--out", "runs"],  # before the model loads
           "the last line (2) is incomplete", "run the same command again")
+    (files / "runs" / "niah.jsonl").write_text('{"model": "gemma3-270m", "method": "full", "budget": 1.0, '
+                                               '"length": 300, "seed": 0}\n')
+    fails(capsys, ["eval", "--task", "niah", "--methods", "full", "--out", "runs"],  # the default model's run
+          "holds rows of model gemma3-270m, not smollm2-135m", "--out runs/smollm2-135m")
 
 
 def test_help_shows_every_default(capsys, monkeypatch):

@@ -124,6 +124,29 @@ def test_runner_resumes_writes_summaries_and_reports(tmp_path):
     assert "| full |" in only and "streamingllm" not in only and (tmp_path / "plots" / "niah_heatmaps.png").exists()
 
 
+def test_rows_record_their_model_and_a_file_of_another_model_is_refused_before_any_forward(tmp_path):
+    """A results file is one model's: resuming keys on (method, budget, sample), so a second model's run
+    into the same folder would otherwise skip every run the first one made and report its rows."""
+    from kvmerge.errors import KVMergeError
+
+    tok = _sp_tokenizer()
+    model = tiny_model(vocab_size=len(tok))
+    run("niah", model, tok, ["full"], [0.5], [300], 1, tmp_path, model_name="first")
+    lines = (tmp_path / "niah.jsonl").read_text()
+    assert [json.loads(x)["model"] for x in lines.splitlines()] == ["first"]
+    calls = []
+    model.model.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(KVMergeError, match=re.escape(
+            f"results file {tmp_path / 'niah.jsonl'} holds rows of model first, not second: give each model its "
+            f"own folder (--out {tmp_path / 'second'})")):
+        run("niah", model, tok, ["full"], [0.5], [300], 1, tmp_path, model_name="second")
+    assert calls == [] and (tmp_path / "niah.jsonl").read_text() == lines
+    run("niah", model, tok, ["full"], [0.5], [300], 1, tmp_path, model_name="first")  # its own model resumes
+    assert calls == [] and (tmp_path / "niah.jsonl").read_text() == lines
+    run("niah", model, tok, ["full"], [0.5], [300], 1, tmp_path / "second", model_name="second")
+    assert calls and (tmp_path / "second" / "niah.jsonl").exists()
+
+
 def test_unknown_task_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown task"):
         run("nope", None, None, ["full"], [0.5], [100], 1, tmp_path)
