@@ -231,6 +231,7 @@ class MergedLayer(PackedHeads, DynamicLayer):
             self.replace(keys, values, log_n)
             return
         self._select_packed(idx, empty, room)
+
     def map_rows(self, fn: Callable[[KV, torch.Tensor], KV]) -> None:
         """Replace the layer by `fn(kv, rows)` applied to dense groups of batch rows.
 

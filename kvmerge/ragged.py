@@ -92,9 +92,14 @@ class PackedHeads:
         self._length = 0
         self._pk, self._pv = keys.contiguous(), values.contiguous()
         self._pl = None if log_n is None else log_n.to(LOG_N_DTYPE).contiguous()
-        self._lens, self._caps = lens, lens if caps is None else caps
-        self._starts = tuple(sum(self._caps[:i]) for i in range(len(lens)))
-        self._next = torch.tensor([s + n for s, n in zip(self._starts, lens)], device=keys.device)
+        self._lens = lens
+        self._segment(lens if caps is None else caps)
+
+    def _segment(self, caps: tuple) -> None:
+        """Segments of `caps` slots back to back: their starts, and the next write slot of each head."""
+        self._caps = caps
+        self._starts = tuple(sum(caps[:i]) for i in range(len(caps)))
+        self._next = torch.tensor([s + n for s, n in zip(self._starts, self._lens)], device=self._pk.device)
 
     def _segments(self):
         """Each KV head's held slots: `(keys (b, 1, n, d), values (b, 1, n, d), log_n (b, 1, n))`, views."""
@@ -135,9 +140,9 @@ class PackedHeads:
         if caps == self._caps:
             return
         caps = tuple(max(c, n) for c, n in zip(caps, self._lens))
-        starts = tuple(sum(caps[:i]) for i in range(len(caps)))
         src = torch.cat([torch.arange(s, s + n) for s, n in zip(self._starts, self._lens)]).to(self._pk.device)
-        dst = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, self._lens)]).to(self._pk.device)
+        self._segment(caps)
+        dst = torch.cat([torch.arange(s, s + n) for s, n in zip(self._starts, self._lens)]).to(self._pk.device)
 
         def moved(buf):
             if buf is None:
@@ -146,8 +151,6 @@ class PackedHeads:
             return out.index_copy_(1, dst, buf.index_select(1, src))
 
         self._pk, self._pv, self._pl = moved(self._pk), moved(self._pv), moved(self._pl)
-        self._starts, self._caps = starts, caps
-        self._next = torch.tensor([s + n for s, n in zip(starts, self._lens)], device=self._pk.device)
 
     def _append_heads(self, key_states, value_states, new_log_n) -> None:
         """Ragged: append `(b, h, q, d)` to every head's segment, one indexed write per buffer."""
