@@ -192,3 +192,11 @@ def test_model_names_are_checked_before_anything_loads(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(InputError, match="not in the local Hugging Face cache and HF_HUB_OFFLINE is set"):
         kvmerge.load_model("nobody/no-such-model")
+
+
+@pytest.mark.parametrize("spec, problem", [("snapkv:kernel=4", "kernel must be an odd"), ("snapkv:kernel=0", "kernel must be an odd"),
+                                           ("snapkv:obs_window=0", "obs_window must be >= 1"),
+                                           ("mixedattention:obs_window=-2", "obs_window must be >= 1")])
+def test_a_pooling_kernel_or_query_window_that_cannot_score_is_refused_by_name(spec, problem):
+    with pytest.raises(kvmerge.KVMergeError, match=problem):
+        kvmerge.get_method(spec)

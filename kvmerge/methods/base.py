@@ -136,6 +136,11 @@ class Method:
             raise TypeError(f"budget must be a float in (0, 1] or an int number of entries, got {self.budget!r}")
         if self.sinks < 0 or self.window < 0:
             raise ValueError(f"sinks and window must be >= 0, got sinks={self.sinks}, window={self.window}")
+        if getattr(self, "obs_window", 1) < 1:
+            raise ValueError(f"obs_window must be >= 1 (the prompt queries that score), got {self.obs_window}")
+        kernel = getattr(self, "kernel", 1)
+        if kernel < 1 or kernel % 2 == 0:
+            raise ValueError(f"kernel must be an odd whole number >= 1 (1: no pooling), got {kernel}")
         slots = isinstance(self.sliding, int) and not isinstance(self.sliding, bool) and self.sliding >= 1
         fraction = isinstance(self.sliding, float) and 0.0 < self.sliding <= 1.0
         if self.sliding is not None and not (slots or fraction):
