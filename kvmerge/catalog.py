@@ -51,7 +51,7 @@ SHORT = {  # the table's line per method (`kvmerge methods NAME` shows the whole
 def _source_key() -> str:
     root = Path(__file__).parent
     h = hashlib.sha256()
-    for path in sorted([*root.glob("*.py"), *root.glob("methods/*.py")]):
+    for path in sorted([*root.glob("*.py"), *root.glob("methods/*.py"), *root.glob("vllm/*.py")]):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
@@ -115,10 +115,12 @@ def _paragraphs(doc: str | None) -> list[str]:
 
 def build() -> list[dict]:
     """Rows with: name, kind ("method" or "preset"), summary, recommended, experimental, aliases,
-    spec (a preset's), second_pass, where (runtime → bool), refusals (runtime → reasons) and params
+    spec (a preset's), second_pass, where (runtime → bool), where_with (runtime → the setting it runs
+    the method with, where it refuses the defaults), refusals (runtime → reasons) and params
     (name, default, type) of each method built with its defaults."""
     from dataclasses import MISSING, fields
 
+    from .defaults import LEARNED
     from .methods import get_method
     from .methods.presets import PRESETS
     from .methods.registry import _REGISTRY, old_names
@@ -133,12 +135,12 @@ def build() -> list[dict]:
         cls = _REGISTRY[preset.method] if preset else _REGISTRY[name]
         row = {"name": name, "kind": "preset" if preset else "method",
                "summary": preset.summary if preset else (cls.summary or _first_sentence(cls.__doc__)),
-               "recommended": bool(preset and preset.recommended),
+               "recommended": bool(preset and preset.recommended) or name == LEARNED,
                "experimental": bool(not preset and getattr(cls, "experimental", False)),
                "aliases": old_names(name), "spec": preset.spec if preset else None,
                "ties": sorted(preset.ties) if preset else [], "doc": _paragraphs(None if preset else cls.__doc__),
                "source": None if preset else _first_paragraph(sys.modules[cls.__module__].__doc__),
-               "params": [], "second_pass": None, "where": {}, "refusals": {}}
+               "params": [], "second_pass": None, "where": {}, "where_with": {}, "refusals": {}}
         try:
             method = get_method(name)
         except Exception as e:  # a method that needs a parameter to exist: listed, its columns unknown
@@ -148,6 +150,8 @@ def build() -> list[dict]:
         row["second_pass"] = bool(method.needs.second_pass)
         row["refusals"] = {r.name: r.refusals(method) for r in (SessionRuntime, VllmRuntime)}
         row["where"] = {r: not reasons for r, reasons in row["refusals"].items()}
+        row["where_with"] = {r.name: "alloc=uniform" for r in (SessionRuntime, VllmRuntime)
+                             if not row["where"][r.name] and _runs_uniform(name, method, r)}
         for f in fields(method):
             if f.init:
                 value = getattr(method, f.name)
@@ -158,11 +162,26 @@ def build() -> list[dict]:
     return out
 
 
+def _runs_uniform(name: str, method, runtime) -> bool:
+    """Whether `runtime`, which refuses `method`, runs it with `alloc=uniform` (vLLM and a global
+    allocation)."""
+    from .methods import get_method
+
+    if getattr(method, "alloc", "uniform") == "uniform":
+        return False
+    try:
+        return not runtime.refusals(get_method(name, alloc="uniform"))
+    except (ValueError, TypeError):
+        return False
+
+
 def _where(row, short: bool = False) -> str:
     if not row["where"]:
         return "?"
     names = SHORT_RUNTIME_NAMES if short else RUNTIME_NAMES
-    return ", ".join(names[r] for r, ok in row["where"].items() if ok) or "none"
+    with_ = row.get("where_with", {})
+    return ", ".join(names[r] + (f" ({with_[r]})" if r in with_ else "") for r, ok in row["where"].items()
+                     if ok or r in with_) or "none"
 
 
 def _cost(row) -> str:
@@ -215,7 +234,7 @@ def detail(name: str, width: int | None = None) -> str:
     width = width or 100
     data = {r["name"]: r for r in rows()}
     alias = {a: r["name"] for r in data.values() for a in r["aliases"]}
-    found = data.get(name) or data.get(alias.get(name, ""))
+    found = row(name)
     if found is None:
         raise UnknownNameError(f"unknown method {name!r}{suggest(name, [*data, *alias])}; `kvmerge methods` lists "
                                "them")

@@ -153,8 +153,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--method", default=None, metavar="SPEC",
                      help="a method spec NAME[:param=value...], e.g. snapkv:kernel=5 (kvmerge methods lists them; "
                      f"full: no compression) (default: {RULE})")
-    gen.add_argument("--budget", type=_budget, default=0.25, metavar="B",
-                     help="what the cache keeps: a fraction of the context in (0, 1] or a whole number of entries")
+    gen.add_argument("--budget", type=_budget, default=None, metavar="B",
+                     help="what the cache keeps: a fraction of the context in (0, 1] or a whole number of entries "
+                     "(or a spec's budget=) (default: 0.25)")
     gen.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="the longest answer, in tokens")
     gen.add_argument("--temperature", type=_number(float, 0, what="a number >= 0"), default=0.0, metavar="T", help="0: greedy")
     gen.add_argument("--top-k", type=_count, default=0, metavar="K", help="sample from the k likeliest tokens (0: all)")
@@ -177,8 +178,9 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--out", required=True, metavar="FILE.kvz", help="the compressed context's file")
     comp.add_argument("--method", default=None, metavar="SPEC", help=f"a method spec (default: {RULE}); a costly one "
                       "pays off here, e.g. zipguardmerge")
-    comp.add_argument("--budget", type=_budget, default=0.25, metavar="B",
-                      help="what the cache keeps: a fraction of the context in (0, 1] or a whole number of entries")
+    comp.add_argument("--budget", type=_budget, default=None, metavar="B",
+                      help="what the cache keeps: a fraction of the context in (0, 1] or a whole number of entries "
+                      "(or a spec's budget=) (default: 0.25)")
     comp.add_argument("--model", default=None, metavar="NAME", help=f"{model_help} (default: smollm2-135m)")
     comp.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     comp.add_argument("--prefill-chunk", type=_positive, default=None, metavar="N",
@@ -211,7 +213,8 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="full cache against several methods on needle prompts",
                           formatter_class=fmt, epilog=EPILOG)
-    demo.add_argument("--methods", type=_csv(str), default=list(DEMO_METHODS), help="method specs, comma-separated")
+    demo.add_argument("--methods", type=_csv(str), default=None, help="method specs, comma-separated (default: "
+                      f"{','.join(DEMO_METHODS)} and the model's default method)")
     demo.add_argument("--budget", type=_number(float, 0, 1, low_open=True, what="a fraction in (0, 1]"),
                       default=0.25, help="fraction of the context kept")
     demo.add_argument("--length", type=_positive, default=2048, help="context tokens")

@@ -85,6 +85,9 @@ def method(spec: str, budget=None, chunk: int | None = None):
     from . import catalog
 
     catalog.check_spec(spec)
+    given = parse_spec(spec)[1].get("budget")
+    if given is not None and budget is not None and given != budget and parse_spec(spec)[0] != "full":
+        raise InputError(f"{spec} sets budget={given} and the budget option {budget}: give the budget once")
     check_protected(spec, budget, chunk)
 
     from .errors import refusing
@@ -119,6 +122,31 @@ def runs_here(m, model) -> None:
                                "layers (e.g. --model gemma3-270m)")
 
 
+def Streamer(tok):  # noqa: N802 - builds a class's instance
+    """A `transformers.TextStreamer` that prints the answer from its first visible character (a
+    model's leading blank lines are not shown; `.text` is stripped the same way)."""
+    from transformers import TextStreamer
+
+    class _Streamer(TextStreamer):
+        started = False
+
+        def on_finalized_text(self, text: str, stream_end: bool = False):
+            if not self.started:
+                text = text.lstrip()
+                self.started = bool(text)
+            super().on_finalized_text(text, stream_end)
+
+    return _Streamer(tok, skip_special_tokens=True)
+
+
+def quiet_loading(args) -> None:
+    """With --no-progress, transformers' own bars (loading the weights) stay off too."""
+    if getattr(args, "no_progress", False):
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+
+
 def device(name: str | None) -> None:
     if name is None:
         return
@@ -143,6 +171,21 @@ def _known_suite(name: str) -> None:
         raise InputError(f"no suite file {name}")
 
 
+def _check_subtasks(task: str, subtasks: list[str] | None) -> None:
+    """Refuse --subtasks for a task without subtasks, and a name the task does not have."""
+    if subtasks is None:
+        return
+    kind = _eval("tasks").get_task(task)
+    if kind.subtasks is None:
+        with_ = ", ".join(n for n, t in _eval("tasks").TASKS.items() if t.subtasks is not None)
+        raise InputError(f"--subtasks: the {task} task has none ({with_} have)")
+    names = kind.subtasks()
+    for name in subtasks:
+        if name not in names:
+            raise UnknownNameError(f"--subtasks: {task} has no subtask {name!r}{suggest(name, names)}; it has "
+                                   f"{', '.join(names)}")
+
+
 # -- the commands ------------------------------------------------------------------------------
 def generate(args) -> int:
     text = read_text(args.context)
@@ -151,7 +194,7 @@ def generate(args) -> int:
     if args.stop is not None and not all(args.stop):
         raise InputError("--stop needs non-empty strings, comma-separated")
     model_name(args.model)
-    spec = args.method or _default_spec(args.model)  # None: known once the model is loaded
+    spec = args.method if args.method is not None else _default_spec(args.model)  # None: known once loaded
     if spec is not None:
         name, params = parse_spec(spec)
         if params.get("sliding") is not None:  # refused before torch loads, where it can be
@@ -164,24 +207,25 @@ def generate(args) -> int:
         check_protected(min(CANDIDATES, key=lambda c: sum(protected(c))), args.budget, args.prefill_chunk)
     device(args.device)
 
-    from transformers import TextStreamer
-
     from .generation import generate as run
     from .model import load_model
     from .progress import ProgressBars
 
     if sys.stderr.isatty() and not args.no_progress:
         print(f"loading {args.model or 'smollm2-135m'} ...", file=sys.stderr, end="\r", flush=True)
+    quiet_loading(args)
     model, tok = load_model(args.model, device=args.device)
     if spec is None:  # the default method, for the loaded model (checked before any forward)
         from .defaults import default_method
 
-        m = method(default_method(model), args.budget, args.prefill_chunk)
+        spec = default_method(model)
+        m = method(spec, args.budget, args.prefill_chunk)
         runs_here(m, args.model)
     bars = None if args.no_progress else ProgressBars(decode=not sys.stdout.isatty())
     out = run(model, tok, text, args.question, m, args.max_new_tokens, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-              streamer=TextStreamer(tok, skip_special_tokens=True), prefill_chunk=args.prefill_chunk, progress=bars)
+              streamer=Streamer(tok), prefill_chunk=args.prefill_chunk, progress=bars)
+    out.stats["method"] = spec  # as the user named it, settings included
     print(f"[{out.stats}]", file=sys.stderr)
     return 0
 
@@ -216,7 +260,7 @@ def methods(args) -> int:
 
 def demo(args) -> int:
     model_name(args.model)
-    for spec in args.methods:
+    for spec in args.methods or []:
         method(spec, None if spec == "full" else args.budget)
     _eval("demo").run_demo(args.methods, args.budget, args.length, args.samples, args.model)
     return 0
@@ -245,15 +289,20 @@ def eval(args) -> int:  # noqa: A001 - the command's name
                 raise InputError(f"--text {args.text!r} is neither a genre{suggest(args.text, genres)} ("
                                  f"{', '.join(genres)}) nor a file")
             read_text(args.text, "--text")
+    _check_subtasks(args.task, args.subtasks)
     for spec in args.methods:
         m = method(spec, args.budgets[0], args.prefill_chunk)
         runs_here(m, args.model)
-    from .model import DEFAULT_MODEL, load_model
+    from .model import DEFAULT_MODEL, load_model, max_positions
 
     runner, report = _eval("runner"), _eval("report")
     name = runner.model_label(args.model or DEFAULT_MODEL)  # a cut-off last line or another model's rows: refused before loading
     runner.rows_of_model(Path(args.out) / f"{args.task}.jsonl", name)
     model, tok = load_model(args.model)
+    limit = max_positions(model)
+    if limit and max(args.lengths) + 64 > limit:
+        raise InputError(f"--lengths {max(args.lengths)}: {args.model or DEFAULT_MODEL} has {limit:,} positions, and a "
+                         f"question and answer follow the context: ask for at most {limit - 64:,}")
     runner.run(args.task, model, tok, args.methods, args.budgets, args.lengths, args.samples, args.out,
                args.protocol, args.text, args.limit, args.subtasks, args.prefill_chunk, model_name=name)
     print(report.report(args.out, plots=False))

@@ -27,7 +27,7 @@ from .decoding import GenerationOutput, cache_stats, decode, from_context
 from .errors import InputError, KVMergeError, ParameterTypeError, refusing
 from .layer import MergedLayer
 from .progress import bars_for
-from .prompt import end_ids, split_prompt, validate
+from .prompt import check_model, check_questions, end_ids, split_prompt, validate
 from .session import Session
 from .sliding import SlidingLayer
 
@@ -67,6 +67,8 @@ class CompressedContext:
 
     def question_ids(self, question: str) -> list[int]:
         """The ids that follow the context for `question` (the chat template's rest included)."""
+        with refusing():
+            check_questions([question])
         return split_prompt(self.tokenizer, PLACEHOLDER, question, self.meta["chat_template"])[1]
 
     def generate_ids(self, question_ids: list[int], max_new_tokens: int = 32, **kwargs):
@@ -189,6 +191,7 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
     from .scorer import fingerprint
 
     with refusing():
+        check_model(model, tokenizer, "compress_context(model, tokenizer, context, ...)")
         if isinstance(context, str):
             ids = split_prompt(tokenizer, context, PLACEHOLDER, chat_template)[0]
             chat = bool(chat_template and getattr(tokenizer, "chat_template", None))

@@ -21,6 +21,17 @@ def _file(name: str) -> tuple[Path, dict]:
     return path, json.loads(check_file(path)["meta"])
 
 
+def _writable(option: str, name: str) -> Path:
+    """The file `name` an option writes, refused before any work when it is a folder or its folder
+    does not exist."""
+    out = Path(name).expanduser()
+    if out.is_dir():
+        raise InputError(f"{option} {name} is a folder: give a file name")
+    if not out.parent.exists():
+        raise InputError(f"{option} {name}: no folder {str(out.parent)!r}")
+    return out
+
+
 def _model_of(args, meta: dict | None = None):
     """The model to load: --model, else the one the file names when it is a bundled name or a folder."""
     from .commands import device, model_name
@@ -40,16 +51,13 @@ def _model_of(args, meta: dict | None = None):
 
 
 def compress(args) -> int:
-    from .commands import method, read_text, runs_here
+    from .commands import method, quiet_loading, read_text, runs_here
 
     text = read_text(args.context)
-    out = Path(args.out).expanduser()
-    if out.is_dir():
-        raise InputError(f"--out {args.out} is a folder: give a file name, e.g. doc.kvz")
-    if not out.parent.exists():
-        raise InputError(f"--out {args.out}: no folder {str(out.parent)!r}")
+    out = _writable("--out", args.out)
     if args.method is not None:  # checked before the model loads
         runs_here(method(args.method, args.budget, args.prefill_chunk), args.model)
+    quiet_loading(args)
     model, tok = _model_of(args)
     from .context import compress_context
     from .defaults import default_method
@@ -63,8 +71,9 @@ def compress(args) -> int:
     ctx = compress_context(model, tok, text, spec, args.budget, keep_ids=not args.no_ids,
                            prefill_chunk=args.prefill_chunk, progress=None if args.no_progress else ProgressBars())
     size = ctx.save(out).stat().st_size
-    entries = [ctx.session.cache.layers[i].entries for i in ctx.session.cache.compressible]
-    print(f"[{ctx.tokens:,} tokens → {sum(entries) / len(entries):.0f} entries per compressed layer and head; "
+    from .context_view import entries_line
+
+    print(f"[{ctx.tokens:,} tokens → entries per compressed layer and head {entries_line(ctx)}; "
           f"{ctx.nbytes / 2**20:.2f} MiB, {ctx.nbytes / ctx.meta['full_bytes']:.1%} of the full cache; "
           f"file {size / 2**20:.2f} MiB; {time.perf_counter() - start:.1f} s] → {out}")
     return 0
@@ -78,8 +87,7 @@ def ask(args) -> int:
     if not questions or not all(q.strip() for q in questions):
         raise InputError("--question is empty: ask something (or --question - to read one question per line)")
     model, tok = _model_of(args, meta)
-    from transformers import TextStreamer
-
+    from .commands import Streamer
     from .context import load_context
     from .generation import generate
 
@@ -90,7 +98,7 @@ def ask(args) -> int:
         if len(questions) > 1:
             print(f"Q: {q}\nA: ", end="", flush=True)
         out = generate(model, tok, ctx, q, max_new_tokens=args.max_new_tokens,
-                       streamer=TextStreamer(tok, skip_special_tokens=True))
+                       streamer=Streamer(tok))
         print(f"[{out.stats['method']}: {ctx.tokens:,} context tokens; loaded in {loaded * 1e3:.0f} ms; "
               f"answered in {out.stats['decode_seconds']:.2f} s]", file=sys.stderr)
     return 0
@@ -98,6 +106,9 @@ def ask(args) -> int:
 
 def inspect(args) -> int:
     path, meta = _file(args.file)
+    for option, name in (("--png", args.png), ("--html", args.html)):
+        if name is not None:
+            _writable(option, name)
     model, tok = _model_of(args, meta)
     from . import context_view
     from .context import load_context

@@ -44,16 +44,20 @@ def terminal(context, color: bool = True) -> str:
     return "".join(out)
 
 
+def entries_line(context) -> str:
+    """Entries per compressed layer and head, over the layers: "36–131 (mean 59) over 30 layers"."""
+    cache = context.session.cache
+    entries = [cache.layers[i].mean_entries for i in cache.compressible]
+    return f"{min(entries):.0f}–{max(entries):.0f} (mean {sum(entries) / len(entries):.0f}) over {len(entries)} layers"
+
+
 def summary(context, path_bytes: int | None = None) -> str:
     """Metadata and entries per compressed layer, a few lines."""
     m = context.meta
-    entries = [int((pos >= -1).sum()) // pos.shape[0] for pos in context.kept] if context.kept else \
-        [context.session.cache.layers[i].entries for i in context.session.cache.compressible]
     lines = [f"model {m['model_name'] or '?'} (fingerprint {m['model']}), tokenizer {m['tokenizer']}, {m['dtype']}",
              f"method {m['method']} at budget {m['budget']}; {m['tokens']:,} context tokens"
              + (" (chat template)" if m["chat_template"] else ""),
-             f"entries per compressed layer and head: {min(entries)}–{max(entries)} (mean {sum(entries) / len(entries):.0f})"
-             f" over {len(entries)} layers",
+             f"entries per compressed layer and head: {entries_line(context)}",
              f"cache {context.nbytes / 2**20:.2f} MiB, {context.nbytes / m['full_bytes']:.1%} of the full cache's "
              f"{m['full_bytes'] / 2**20:.2f} MiB"]
     if path_bytes is not None:

@@ -15,7 +15,7 @@ from .decoding import GenerationOutput, Sampling, cache_stats, cut_at_stop, deco
 from .errors import InputError, ParameterTypeError, refusing
 from .methods import Method, get_method
 from .progress import bars_for, watching
-from .prompt import common_prefix, is_ids, end_ids, split_prompt, validate
+from .prompt import check_model, check_questions, common_prefix, end_ids, is_ids, split_prompt, validate
 from .session import Session
 
 
@@ -23,7 +23,8 @@ from .session import Session
 def generate_ids(model, context_ids, question_ids, method: Method | str | None = None, max_new_tokens: int = 32,
                  protocol: str = "agnostic", eos_token_id=None, tokenizer=None,
                  sampling: Sampling | None = None, streamer=None, stop=None,
-                 prefill_chunk: int | None = None, progress=None) -> GenerationOutput:
+                 prefill_chunk: int | None = None, progress=None,
+                 budget: float | int | None = None) -> GenerationOutput:
     """Generation from token ids (one row, or a list of rows run as one padded batch); greedy unless
     `sampling` says otherwise. `streamer` (a transformers streamer: `put`, `end`) receives each new
     token of a single row; `stop(row_tokens) -> bool` ends a row early; `eos_token_id`: an id or ids
@@ -31,10 +32,12 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
     see `Session.prefill`). `progress`: None (quiet), True (bars on stderr for steps over 2 s) or
     `progress(phase, done, total)`. `method`: None compresses with the default for this model
     (`kvmerge.defaults.default_method`: learnedzip where it has learned-scorer weights, else mixedmerge,
-    which needs `tokenizer`); `get_method("full")` keeps the whole cache. Every check runs before the
-    first forward pass."""
+    which needs `tokenizer`); `get_method("full")` keeps the whole cache. `budget`: what the cache
+    keeps, a fraction in (0, 1] or a whole number of entries, with a method name or None (a `Method`
+    carries its own). Every check runs before the first forward pass."""
     with refusing():
-        method, default = _resolve(model, method)
+        check_model(model, call="generate_ids(model, context_ids, question_ids, ...)")
+        method, default = _resolve(model, method, budget)
         contexts, questions, window = validate(model, context_ids, question_ids, protocol, max_new_tokens, method,
                                                 prefill_chunk)
         if default:
@@ -57,12 +60,14 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
 
 def answer_questions(model, tokenizer, context, questions, method: Method | str | None = None,
                      max_new_tokens: int = 32, chat_template: bool = True, eos_token_id=None,
-                     progress=None) -> list[GenerationOutput]:
+                     progress=None, budget: float | int | None = None,
+                     prefill_chunk: int | None = None) -> list[GenerationOutput]:
     """Several questions (a list of str) about one `context` (a str), question-agnostic: the context
     is prefilled and compressed once, and each question decodes from that same compressed cache,
     as `generate` would answer it alone (chat template applied; each answer stops at the end of its
     turn). One `GenerationOutput` per question, `.text` set. `method`: a `Method`, a name or a spec;
-    None: the default for this model (`kvmerge.defaults.default_method`); "full" keeps the whole cache.
+    None: the default for this model (`kvmerge.defaults.default_method`); "full" keeps the whole cache;
+    `budget` and `prefill_chunk` as in `generate_ids`.
 
     Token ids in the tokenizer's place, `answer_questions(model, context_ids, question_ids, method)`,
     run `answer_questions_ids`."""
@@ -71,7 +76,7 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
             raise ParameterTypeError("answer_questions(model, context_ids, question_ids, method, ...) takes no fifth "
                                      "positional argument: pass max_new_tokens=... by name")
         return answer_questions_ids(model, tokenizer, context, questions, max_new_tokens, eos_token_id,
-                                    progress=progress)
+                                    progress=progress, budget=budget, prefill_chunk=prefill_chunk)
     if isinstance(context, CompressedContext):
         ends = end_ids(tokenizer, chat_template) if eos_token_id is None else eos_token_id
         outs = []
@@ -90,12 +95,17 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
                                      "(for token ids: kvmerge.answer_questions_ids)")
         if not questions:
             raise InputError("no questions to answer")
-        method = get_method(method) if isinstance(method, str) else method
+        call = "answer_questions(model, tokenizer, context, questions, ...)"
+        check_model(model, call=call)
+        check_questions(questions)
+        method = _resolve(model, method, budget)[0] if budget is not None or isinstance(method, str) else method
+        check_model(model, tokenizer, call)
         pairs = [split_prompt(tokenizer, context, q, chat_template) for q in questions]
         shared = common_prefix([c for c, _ in pairs])
         question_rows = [(c + q)[len(shared):] for c, q in pairs]
     ends = end_ids(tokenizer, chat_template) if eos_token_id is None else eos_token_id
-    outs = answer_questions_ids(model, shared, question_rows, method, max_new_tokens, ends, tokenizer, progress)
+    outs = answer_questions_ids(model, shared, question_rows, method, max_new_tokens, ends, tokenizer, progress,
+                                prefill_chunk=prefill_chunk)
     for out in outs:
         out.text = tokenizer.decode(out.tokens[0], skip_special_tokens=True).strip()
     return outs
@@ -104,22 +114,25 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
 @torch.inference_mode()
 def answer_questions_ids(model, context_ids: list[int], questions: list[list[int]], method: Method | str | None = None,
                          max_new_tokens: int = 32, eos_token_id=None, tokenizer=None,
-                         progress=None) -> list[GenerationOutput]:
+                         progress=None, budget: float | int | None = None,
+                         prefill_chunk: int | None = None) -> list[GenerationOutput]:
     """`answer_questions` from token ids: one context row, one row of ids per question; `.text` is
-    decoded when `tokenizer` is given. `method` None: the default for this model, as in `generate_ids`."""
+    decoded when `tokenizer` is given. `method` None: the default for this model; it, `budget` and
+    `prefill_chunk` as in `generate_ids`."""
     with refusing():
-        method, default = _resolve(model, method)
+        check_model(model, call="answer_questions_ids(model, context_ids, question_ids, ...)")
+        method, default = _resolve(model, method, budget)
         if not isinstance(questions, (list, tuple)) or not questions:
             raise InputError("questions must be a non-empty list of token-id rows")
         for q in questions:
-            validate(model, [context_ids], [q], "agnostic", max_new_tokens, method)
+            validate(model, [context_ids], [q], "agnostic", max_new_tokens, method, prefill_chunk)
         if default:
             _check_tokenizer(method, tokenizer)
         session = Session(model, 1, method, tokenizer)
     report = bars_for(progress)
     try:
         with watching(session, report, len(context_ids)):
-            session.prefill([list(context_ids)])
+            session.prefill([list(context_ids)], chunk=prefill_chunk)
         session.reserve(max(len(q) for q in questions) + max_new_tokens)
         stats = cache_stats(session, [context_ids], "agnostic")
         stats["context_tokens"] = stats["context_tokens"][0]
@@ -140,7 +153,8 @@ def answer_questions_ids(model, context_ids: list[int], questions: list[list[int
 def generate(model, tokenizer, context, question, method: Method | str | None = None, max_new_tokens: int = 32,
              protocol: str = "agnostic", chat_template: bool = True, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
-             streamer=None, prefill_chunk: int | None = None, progress=None) -> GenerationOutput:
+             streamer=None, prefill_chunk: int | None = None, progress=None,
+             budget: float | int | None = None) -> GenerationOutput:
     """Answer `question` about `context` (strings, or equal-length lists run as one batch). Greedy by
     default; `temperature` > 0 samples (with `top_k`, `top_p`, `seed`). Each row stops at the end of
     its turn (the tokenizer's eos and, with a chat template, its end-of-turn token) or after the first
@@ -149,7 +163,8 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
 
     `method`: a `Method`, a name or a spec (`"snapkv:window=8"`); None compresses with the default for
     this model (`kvmerge.defaults.default_method`: learnedzip where the model has learned-scorer
-    weights, else mixedmerge), at that method's default budget; "full" keeps the whole cache."""
+    weights, else mixedmerge); "full" keeps the whole cache. `budget`: what the cache keeps, a fraction
+    in (0, 1] or a whole number of entries (default: the method's, 0.25)."""
     if isinstance(context, CompressedContext):
         with refusing():
             if not isinstance(question, str):
@@ -168,8 +183,10 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
         questions = [question] if isinstance(question, str) else list(question)
         if len(contexts) != len(questions):
             raise InputError(f"{len(contexts)} contexts but {len(questions)} questions")
-        if isinstance(method, str):
-            method = get_method(method)
+        check_model(model, tokenizer)
+        check_questions(questions)
+        if isinstance(method, str) or budget is not None:
+            method = _resolve(model, method, budget)[0]
         sampling = Sampling(temperature, top_k, top_p, seed)
         pairs = [split_prompt(tokenizer, c, q, chat_template) for c, q in zip(contexts, questions)]
     stop, stopped = stop_strings(stop), stopper(tokenizer, stop)
@@ -184,14 +201,18 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
 
 
 # -- the steps ---------------------------------------------------------------------------------
-def _resolve(model, method) -> tuple[Method, bool]:
-    """(the method to run, whether it is the default): None → `default_method(model)`, built; a name
-    or spec → built; a `Method` as it is (`_validate` refuses anything else)."""
+def _resolve(model, method, budget=None) -> tuple[Method, bool]:
+    """(the method to run, whether it is the default): None → `default_method(model)`, built at
+    `budget`; a name or spec → built at `budget`; a `Method` as it is (`validate` refuses anything
+    else), refused with a `budget`, which goes with a name."""
     if method is None:
         from .defaults import default_method
 
-        return get_method(default_method(model)), True
-    return (get_method(method) if isinstance(method, str) else method), False
+        return get_method(default_method(model), budget), True
+    if isinstance(method, Method) and budget is not None:
+        raise ParameterTypeError("budget= goes with a method name or spec (method='snapkv', budget=0.1); a Method "
+                                 "object carries its own (get_method('snapkv', budget=0.1))")
+    return (get_method(method, budget) if isinstance(method, str) else method), False
 
 
 def _check_tokenizer(method, tokenizer) -> None:

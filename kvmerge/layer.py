@@ -155,6 +155,14 @@ class MergedLayer(PackedHeads, DynamicLayer):
         return 0 if self.keys is None or self.keys.numel() == 0 else self.keys.shape[-2]
 
     @property
+    def mean_entries(self) -> float:
+        """Entries held per (batch row, kv head), averaged over the heads (ragged heads: each at its own
+        length, padding excluded)."""
+        if self._pk is not None:
+            return sum(self._lens) / len(self._lens)
+        return float(self.entries)
+
+    @property
     def nbytes(self) -> int:
         """Bytes held: keys, values and log_n (ragged heads: each at its own length)."""
         if self._pk is not None:  # the heads' held slots, and one byte per padded slot saying which each head keeps

@@ -216,6 +216,20 @@ def _convert_once(name: str) -> Path:
     return target
 
 
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub (`HF_ENDPOINT`, default huggingface.co) answers a TCP connection within
+    `timeout` seconds: a download that cannot start is refused at once, not after minutes of retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
                device: str | torch.device | None = None):
     """Return `(model, tokenizer)`, checked for kvmerge, in eval mode on `device`.
@@ -241,6 +255,10 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype
         path, local = _convert_once(str(name_or_path or DEFAULT_MODEL)), True
     else:
         path, local = Path(name_or_path).expanduser(), kind == "local"
+        if not local and not _in_hub_cache(str(name_or_path)) and not _hub_reachable():
+            raise InputError(f"model {name_or_path!r} is not in the local Hugging Face cache and the hub cannot be "
+                             "reached from here: download it where a network is allowed, or give a local folder or a "
+                             f"bundled name ({', '.join(BUNDLED)})")
     if path.suffix == ".gguf":
         model, tok = _load_gguf(path, dtype)
     else:

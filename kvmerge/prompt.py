@@ -27,6 +27,16 @@ def end_ids(tokenizer, chat_template: bool = True) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
+def check_model(model, tokenizer=None, call: str = "generate(model, tokenizer, ...)") -> None:
+    """Refuse a `model` that is not a transformers model, or a `tokenizer` that is not a tokenizer
+    (the two swapped, most often), in one line naming the call's order."""
+    if not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
+        raise ParameterTypeError(f"{call} takes a transformers model first, got {type(model).__name__} "
+                                 "(model, tok = kvmerge.load_model(...))")
+    if tokenizer is not None and (isinstance(tokenizer, torch.nn.Module) or not callable(tokenizer)):
+        raise ParameterTypeError(f"{call} takes the model's tokenizer second, got {type(tokenizer).__name__}")
+
+
 def split_prompt(tokenizer, context: str, question: str, chat_template: bool = True):
     """Tokenize the whole prompt once; split it at the context/question boundary by char offsets."""
     if not isinstance(context, str) or not isinstance(question, str):
@@ -48,6 +58,12 @@ def split_prompt(tokenizer, context: str, question: str, chat_template: bool = T
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     boundary = sum(1 for (_s, e) in offsets if e <= q_start)
     return ids[:boundary], ids[boundary:]
+
+
+def check_questions(questions: list[str]) -> None:
+    """Refuse an empty or blank question: there would be nothing to answer."""
+    if any(isinstance(q, str) and not q.strip() for q in questions):
+        raise InputError("a question is empty: ask something about the context")
 
 
 def as_rows(x, what: str) -> list[list[int]]:

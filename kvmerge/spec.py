@@ -10,7 +10,8 @@ from .errors import InputError
 
 def parse_spec(spec: str) -> tuple[str, dict]:
     """`name[:param=value...]` → (name, params): split at the colons outside brackets, braces and
-    quotes; each value is JSON (a bare word is a string)."""
+    quotes; each value is JSON (a bare word is a string). Refuses an empty name, a list of names and
+a parameter set twice."""
     parts, depth, quoted, start = [], 0, False, 0
     for i, c in enumerate(spec):
         if c == '"':
@@ -23,11 +24,19 @@ def parse_spec(spec: str) -> tuple[str, dict]:
             parts.append(spec[start:i])
             start = i + 1
     name, *rest = parts + [spec[start:]]
+    if not name.strip():
+        raise InputError(f"method spec {spec!r} names no method: give one, e.g. snapkv or snapkv:window=8 "
+                         "(kvmerge methods lists them)")
+    if "," in name:
+        raise InputError(f"method spec {spec!r} names several methods: one goes here (a comma-separated list "
+                         "goes to kvmerge eval/bench --methods)")
     params = {}
     for p in rest:
         key, sep, value = p.partition("=")
         if not sep:
             raise InputError(f"method spec {spec!r}: expected param=value, got {p!r}")
+        if key in params:
+            raise InputError(f"method spec {spec!r} sets {key} twice: give it once")
         try:
             params[key] = json.loads(value)
         except ValueError:

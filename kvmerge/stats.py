@@ -42,6 +42,10 @@ class Stats(dict):
         if self.ratio is not None:
             parts.append(f"cache {self['cache_bytes'] / MiB:.2f} MiB of {self['full_cache_bytes'] / MiB:.2f} MiB "
                          f"({self.ratio:.1%})")
+            budgeted = self.get("compressed_layers_full_bytes")
+            if budgeted and budgeted < self["full_cache_bytes"]:
+                parts.append(f"the layers the budget applies to {self['compressed_layers_bytes'] / budgeted:.1%} "
+                             "(sliding-window layers keep their window)")
         parts.append(", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()))
         return "; ".join(p for p in parts if p)
 

@@ -9,13 +9,15 @@ from kvmerge.cli import DEMO_METHODS as DEFAULT_METHODS  # one list for the demo
 
 def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int = 2048, samples: int = 3,
              model_path: str | None = None) -> list[dict]:
-    """Each of `methods` (default `DEFAULT_METHODS`) at `budget` on `samples` needle prompts of
-    `length` tokens; prints a table (found, cache bytes against the full cache, seconds) and returns its rows."""
+    """Each of `methods` (default: `DEFAULT_METHODS` and the model's default method) at `budget` on
+    `samples` needle prompts of `length` tokens; prints a table (found, cache bytes against the full
+    cache, seconds) and returns its rows."""
     from rich.console import Console
     from rich.table import Table
     from tqdm import tqdm
 
-    from kvmerge import generate_ids, load_model, get_method
+    from kvmerge import generate_ids, get_method, load_model
+    from kvmerge.defaults import default_method
 
     from .niah import make_sample, score
     from .runner import prompt_ids
@@ -25,6 +27,11 @@ def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int
     built = {n: get_method(n, None if n == "full" else budget) for n in names}  # unknown names fail first
     console.print(f"Loading model {model_path or 'SmolLM2-135M-Instruct (bundled)'} ...")
     model, tok = load_model(model_path)
+    if methods is None:  # the method kvmerge generate would run on this model, beside the others
+        own = default_method(model)
+        if own not in names:
+            names.append(own)
+            built[own] = get_method(own, budget)
     tasks = [make_sample(tok, length, depth=0.1 + 0.8 * i / max(samples - 1, 1), seed=i) for i in range(samples)]
     rows = []
     with tqdm(total=len(names) * len(tasks), desc="demo", unit="prompt") as bar:
@@ -44,7 +51,7 @@ def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int
                 bar.update(1)
             rows.append({"method": name, "budget": method.budget, "correct": correct, "samples": len(tasks),
                          "cache_fraction": cache / full, "seconds": seconds / len(tasks), "example": example})
-    table = Table(title=f"Needle in a haystack, {length} tokens of prose, {samples} needles",
+    table = Table(title=f"Needle in a haystack, {length} tokens of prose, {samples} needle{'s' * (samples > 1)}",
                   caption=f"each method keeps {budget:.0%} of the context's cache (full: all of it); correct: the "
                   "hidden number is in the answer")
     for col in ("method", "budget", "correct", "cache vs full", "s / prompt"):

@@ -84,10 +84,10 @@ def run(task, model, tok, methods, budgets, lengths, samples, out_dir, protocol=
          "protocol": protocol, "text": text, "limit": limit, "subtasks": subtasks, "prefill_chunk": prefill_chunk},
         indent=1))
     todo = [(s, m, b) for s in data for m, b in configs if run_key(label(m), b, s.meta) not in done]
+    groups = _by_prompt(task, tok, todo, protocol)
     with path.open("ab", buffering=0) as f, tqdm(total=len(todo), desc=task, unit="run") as bar:
         if f.tell() and not _ends_a_line(path):
             _append(f, b"\n")  # a last row written whole but for its newline
-        groups = _by_prompt(task, tok, todo, protocol)
         for i, (prompt, jobs) in enumerate(groups.items()):
             bar.set_postfix_str(f"prompt {i + 1}/{len(groups)}: {len(prompt)} tokens, {len(jobs)} runs")
             for row in _run_prompt(task, model, tok, list(prompt), jobs, protocol, prefill_chunk):
@@ -121,6 +121,9 @@ def _by_prompt(task, tok, todo, protocol) -> dict:
     groups: dict = defaultdict(list)
     for s, m, b in todo:
         ctx, q = (s.context, []) if get_task(task).teacher_forced else prompt_ids(tok, s, task)
+        if len(ctx) > 1.5 * s.meta["length"]:  # measured under the wrong length: refused before any run
+            raise InputError(f"--lengths {s.meta['length']}: this task writes a context of {len(ctx)} tokens at that "
+                             f"length (its facts and template alone): ask for at least {len(ctx)}")
         if protocol == "aware":
             ctx, q = ctx + q, []
         groups[tuple(ctx)].append((s, m, b, q))

@@ -102,6 +102,13 @@ MISTAKES = [  # argv, what the line must say
     (["methods", "snapvk"], "unknown method 'snapvk' (did you mean snapkv?)"),
     (["train-scorer", "--model", "gemma-3-270m"], "unknown model 'gemma-3-270m' (did you mean gemma3-270m?)"),
     (["train-scorer", "--texts", "0"], "argument --texts"),
+    (G + ["--method", "snapkv:window=16:window=8"], "sets window twice"),
+    (G + ["--method", ""], "names no method"),
+    (G + ["--method", "snapkv,mixedmerge"], "names several methods", "eval/bench --methods"),
+    (G + ["--method", "snapkv:budget=0.1", "--budget", "0.5"], "budget=0.1", "0.5", "give the budget once"),
+    (["eval", "--task", "ruler", "--subtasks", "multikye"], "no subtask 'multikye' (did you mean multikey"),
+    (["eval", "--task", "niah", "--subtasks", "multikey"], "the niah task has none"),
+    (["compress", "--context", "ctx.txt", "--out", "nodir/c.kvz"], "no folder 'nodir'"),
 ]
 
 
@@ -131,6 +138,16 @@ def test_valid_requests_reach_the_model_with_an_int_budget(capsys, files):
         assert e.value.code == 1 and "the model was loaded" in capsys.readouterr().err
 
 
+def test_a_spec_budget_stands_alone_and_method_names_read_as_specs_do(capsys, files):
+    """`--method snapkv:budget=0.1` alone is the spec's budget (no conflict with an unset --budget);
+    `kvmerge methods SnapKV` finds snapkv as `--method SnapKV` does."""
+    with pytest.raises(SystemExit) as e:
+        main(G + ["--method", "snapkv:budget=0.1"])
+    assert e.value.code == 1 and "the model was loaded" in capsys.readouterr().err
+    assert main(["methods", "SnapKV"]) == 0
+    assert capsys.readouterr().out.startswith("snapkv (method)")
+
+
 def test_debug_shows_the_traceback(files, monkeypatch):
     with pytest.raises(InputError, match="no such file"):
         main(["--debug", "generate", "--context", "missing.txt", "--question", "q"])
@@ -151,6 +168,7 @@ def test_methods_table_says_what_each_does_its_cost_and_where_it_runs(capsys, mo
     assert cols["zipguardmerge"][0] == "* zipguardmerge" and cols["mixedmerge"][0].startswith("* mixedmerge")
     assert cols["kvzip"][2] == "2nd pass" and cols["snapkv"][2] == "one pass" and "vLLM" in cols["snapkv"][3]
     assert "vLLM" not in cols["kvzip"][3] and cols["zipguard"][1] == "part"
+    assert cols["learnedzip"][3] == "hf, vLLM (alloc=uniform)" and cols["snapkv"][3] == "hf, vLLM"
     assert set(kvmerge.available_methods()) <= set(cols)
     assert main(["methods", "mixedmerge"]) == 0  # an old name: tests/test_names.py
     detail = capsys.readouterr().out
@@ -169,7 +187,7 @@ def test_methods_fit_the_terminal_and_name_the_default(capsys, monkeypatch):
     assert max(map(len, lines)) <= 100, max(lines, key=len)
     rows = [line for line in lines if line[2:].split(" ")[0] in kvmerge.available_methods()]
     assert len(rows) == len(kvmerge.available_methods())
-    assert [r for r in rows if "(default)" in r] == [r for r in rows if r.startswith("  learnedzip (default) ")]
+    assert [r for r in rows if "(default)" in r] == [r for r in rows if r.startswith("* learnedzip (default) ")]
     assert [r for r in rows if "(fallback)" in r] == [r for r in rows if r.startswith("* mixedmerge (fallback) ")]
     legend = " ".join(out.split())
     assert ("Default (kvmerge generate, kvmerge.compressing, the vLLM plugin): learnedzip where the model has "
@@ -300,3 +318,13 @@ def test_generate_without_a_method_checks_the_default_for_the_model_before_loadi
     assert checked == ["learnedzip", "mixedmerge"]
     told = [r.getMessage() for r in caplog.records if r.name == "kvmerge"]
     assert len(told) == 1 and "kvmerge train-scorer --model" in told[0] and "\n" not in told[0]
+
+
+def test_eval_refuses_lengths_beyond_the_models_positions_before_any_run(capsys, files, monkeypatch):
+    from .conftest import TinyTokenizer, tiny_model
+
+    monkeypatch.setattr(kvmerge.model, "load_model", lambda *a, **k: (tiny_model(max_position_embeddings=512),
+                                                                      TinyTokenizer()))
+    fails(capsys, ["eval", "--lengths", "256,1000", "--out", "out"], "--lengths 1000", "512 positions",
+          "at most 448")
+    assert not (files / "out" / "niah.jsonl").exists()

@@ -136,6 +136,26 @@ def test_the_commands_refuse_bad_files_before_any_model_loads(capsys, tmp_path, 
     fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", str(tmp_path)], "is a folder")
     fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", "x.kvz", "--method", "snapkv:nope=1"],
           "nope")
+    _, ctx = _context(tiny_model, "snapkv")
+    good = ctx.save(tmp_path / "good.kvz")
+    fails(capsys, ["inspect", str(good), "--png", str(tmp_path / "nodir" / "k.png")], "--png", "no folder")
+    fails(capsys, ["inspect", str(good), "--html", str(tmp_path)], "--html", "is a folder")
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "snapkv:alloc=head", "mixedmerge"])
+def test_entries_reported_are_the_entries_each_head_holds(spec):
+    """The summary's entries per layer and head are what the heads hold (ragged heads at their own
+    lengths, not the padded width): the kept positions' count, layer by layer."""
+    from kvmerge.context_view import entries_line
+
+    _, ctx = _context(tiny_model, spec)
+    cache = ctx.session.cache
+    held = [cache.layers[i].mean_entries for i in cache.compressible]
+    counted = [int((pos >= -1).sum()) / pos.shape[0] for pos in ctx.kept]
+    assert held == pytest.approx(counted)
+    assert entries_line(ctx).startswith(f"{min(held):.0f}–{max(held):.0f} (mean ")
+    if spec == "snapkv:alloc=head":
+        assert any(cache.layers[i].mean_entries < cache.layers[i].entries for i in cache.compressible)
 
 
 @pytest.mark.ci_slow

@@ -147,6 +147,16 @@ def test_rows_record_their_model_and_a_file_of_another_model_is_refused_before_a
     assert calls and (tmp_path / "second" / "niah.jsonl").exists()
 
 
+def test_a_length_the_task_cannot_write_is_refused_before_any_row(tmp_path):
+    from kvmerge.errors import InputError
+
+    tok = _sp_tokenizer()
+    model = tiny_model(vocab_size=len(tok))
+    with pytest.raises(InputError, match=r"--lengths 10: this task writes a context of \d+ tokens"):
+        run("niah", model, tok, ["full"], [0.5], [10], 1, tmp_path)
+    assert not (tmp_path / "niah.jsonl").exists() or not (tmp_path / "niah.jsonl").read_text()
+
+
 def test_unknown_task_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown task"):
         run("nope", None, None, ["full"], [0.5], [100], 1, tmp_path)

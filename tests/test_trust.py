@@ -11,7 +11,7 @@ import kvmerge
 from kvmerge.errors import ContextTooLongError, InputError, KVMergeError, ParameterTypeError, suggest
 from kvmerge.params import check_params
 
-from .conftest import random_ids, tiny_model
+from .conftest import TinyTokenizer, random_ids, tiny_model
 
 
 @pytest.fixture
@@ -114,6 +114,56 @@ def test_stats_read_as_one_line_and_as_a_dict(llama):
     assert all(v == round(v, 2) for v in st.seconds.values())
 
 
+def test_stats_name_the_layers_the_budget_applies_to_when_others_keep_their_window():
+    from kvmerge.stats import Stats
+
+    base = {"method": "learnedzip", "budget": 0.25, "context_tokens": 205, "cache_entries": [42, 205],
+            "cache_bytes": 875, "full_cache_bytes": 1000}
+    assert "budget applies to" not in str(Stats(base, compressed_layers_bytes=875, compressed_layers_full_bytes=1000))
+    line = str(Stats(base, compressed_layers_bytes=50, compressed_layers_full_bytes=200))
+    assert "(87.5%)" in line and "the layers the budget applies to 25.0% (sliding-window layers keep their window)" in line
+
+
+def test_budget_goes_with_a_name_and_a_method_object_carries_its_own(llama):
+    ids = random_ids(200, seed=3)
+    out = kvmerge.generate_ids(llama, ids, [3, 4], "snapkv:window=8", max_new_tokens=2, budget=0.5)
+    want = kvmerge.generate_ids(llama, ids, [3, 4], kvmerge.get_method("snapkv", budget=0.5, window=8), max_new_tokens=2)
+    assert out.stats["budget"] == 0.5 and out.tokens == want.tokens
+    assert out.stats["cache_entries"] == want.stats["cache_entries"] == [100, 100]
+    rows = kvmerge.answer_questions_ids(llama, ids, [[3, 4]], "snapkv:window=8", max_new_tokens=2, budget=0.5)
+    assert rows[0].stats["cache_entries"] == [100, 100]
+    chunked = kvmerge.answer_questions_ids(llama, ids, [[3, 4]], "snapkv:window=8", max_new_tokens=2, prefill_chunk=64)
+    alone = kvmerge.generate_ids(llama, ids, [3, 4], "snapkv:window=8", max_new_tokens=2, prefill_chunk=64)
+    assert chunked[0].tokens == alone.tokens and chunked[0].stats["cache_entries"] == alone.stats["cache_entries"]
+    with pytest.raises(ParameterTypeError, match="budget= goes with a method name"):
+        kvmerge.generate_ids(llama, ids, [3], kvmerge.get_method("snapkv"), budget=0.5)
+
+
+def test_swapped_arguments_and_empty_questions_are_refused_before_any_forward(no_forward):
+    tok = TinyTokenizer()
+    with pytest.raises(ParameterTypeError, match="takes a transformers model first"):
+        kvmerge.generate(tok, no_forward, "a context", "q")
+    with pytest.raises(ParameterTypeError, match="tokenizer second"):
+        kvmerge.generate(no_forward, no_forward, "a context", "q")
+    with pytest.raises(ParameterTypeError, match="takes a transformers model first"):
+        kvmerge.generate_ids(tok, [1, 2], [3])
+    with pytest.raises(InputError, match="a question is empty"):
+        kvmerge.generate(no_forward, tok, "a context", "  ")
+    with pytest.raises(InputError, match="a question is empty"):
+        kvmerge.answer_questions(no_forward, tok, "a context", ["q", ""])
+
+
+@pytest.mark.parametrize("budget", [0, -1])
+def test_a_budget_below_one_entry_names_both_forms(budget):
+    with pytest.raises(InputError, match=r"a fraction in \(0, 1\] \(e.g. 0.25\) or a whole number of entries >= 1"):
+        kvmerge.get_method("snapkv", budget=budget)
+
+
+def test_a_context_too_short_for_the_budget_names_the_ways_out(llama):
+    with pytest.raises(InputError, match=r"keep at least 36 entries .*protect fewer .*method full"):
+        kvmerge.generate_ids(llama, random_ids(50), [1], "streamingllm")
+
+
 @pytest.mark.parametrize("chunk", [None, 64])
 def test_progress_is_reported_when_asked_and_only_then(llama, capsys, chunk):
     events = []
@@ -200,3 +250,15 @@ def test_model_names_are_checked_before_anything_loads(monkeypatch, tmp_path):
 def test_a_pooling_kernel_or_query_window_that_cannot_score_is_refused_by_name(spec, problem):
     with pytest.raises(kvmerge.KVMergeError, match=problem):
         kvmerge.get_method(spec)
+
+
+def test_a_hub_id_that_cannot_be_downloaded_is_refused_at_once(monkeypatch):
+    """Not cached and the hub unreachable: one line in seconds, not minutes of retries."""
+    import time
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    start = time.perf_counter()
+    with pytest.raises(InputError, match="not in the local Hugging Face cache and the hub cannot be reached"):
+        kvmerge.load_model("nobody/no-such-model")
+    assert time.perf_counter() - start < 10

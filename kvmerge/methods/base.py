@@ -149,6 +149,9 @@ class Method:
         if isinstance(self.budget, float):
             if not (0.0 < self.budget <= 1.0) or math.isnan(self.budget):
                 raise ValueError(f"budget fraction must be in (0, 1], got {self.budget}")
+        elif self.budget < 1:
+            raise ValueError(f"budget must be a fraction in (0, 1] (e.g. 0.25) or a whole number of entries >= 1, "
+                             f"got {self.budget}")
         elif self.budget < self.sinks + self.window:
             raise ValueError(f"budget of {self.budget} entries is below the protected sinks + window "
                              f"({self.sinks} + {self.window})")
@@ -197,7 +200,9 @@ class Method:
         want = min(max(want, 1), n_tokens)
         if want < n_tokens and want < self.sinks + window:
             raise ValueError(f"context too short for budget {self.budget}: {n_tokens} tokens give {want} entries, "
-                             f"fewer than the protected sinks + window ({self.sinks} + {window})")
+                             f"fewer than the protected sinks + window ({self.sinks} + {window}); keep at least "
+                             f"{self.sinks + window} entries (budget={self.sinks + window}), protect fewer "
+                             f"(window=8), or keep the whole cache (method full)")
         return want
 
     def running_target(self, n_tokens: int, window: int | None = None) -> int:
