@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from .errors import InputError, UnknownNameError, UnsupportedError, check_chunk, suggest
-from .spec import parse_spec
+from .spec import check_budget_once, parse_spec
 
 
 def _eval(module: str):
@@ -85,9 +85,6 @@ def method(spec: str, budget=None, chunk: int | None = None):
     from . import catalog
 
     catalog.check_spec(spec)
-    given = parse_spec(spec)[1].get("budget")
-    if given is not None and budget is not None and given != budget and parse_spec(spec)[0] != "full":
-        raise InputError(f"{spec} sets budget={given} and the budget option {budget}: give the budget once")
     check_protected(spec, budget, chunk)
 
     from .errors import refusing
@@ -199,6 +196,7 @@ def generate(args) -> int:
         name, params = parse_spec(spec)
         if params.get("sliding") is not None:  # refused before torch loads, where it can be
             runs_here(argparse.Namespace(name=name, sliding=params["sliding"], label=name), args.model)
+        check_budget_once(spec, args.budget)
         m = method(spec, args.budget, args.prefill_chunk)
         runs_here(m, args.model)
     else:  # the default is known once the model loads: what every candidate refuses is refused now
@@ -300,9 +298,9 @@ def eval(args) -> int:  # noqa: A001 - the command's name
     runner.rows_of_model(Path(args.out) / f"{args.task}.jsonl", name)
     model, tok = load_model(args.model)
     limit = max_positions(model)
-    if limit and max(args.lengths) + 64 > limit:
-        raise InputError(f"--lengths {max(args.lengths)}: {args.model or DEFAULT_MODEL} has {limit:,} positions, and a "
-                         f"question and answer follow the context: ask for at most {limit - 64:,}")
+    if limit and max(args.lengths) > limit:
+        raise InputError(f"--lengths {max(args.lengths)}: {args.model or DEFAULT_MODEL} has {limit:,} positions: ask "
+                         f"for fewer tokens (a question and its answer follow most tasks' contexts)")
     runner.run(args.task, model, tok, args.methods, args.budgets, args.lengths, args.samples, args.out,
                args.protocol, args.text, args.limit, args.subtasks, args.prefill_chunk, model_name=name)
     print(report.report(args.out, plots=False))

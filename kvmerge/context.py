@@ -27,7 +27,8 @@ from .decoding import GenerationOutput, cache_stats, decode, from_context
 from .errors import InputError, KVMergeError, ParameterTypeError, refusing
 from .layer import MergedLayer
 from .progress import bars_for
-from .prompt import check_model, check_questions, end_ids, split_prompt, validate
+from .prompt import check_model, check_questions, check_tokenizer, end_ids, split_prompt, validate
+from .spec import check_budget_once
 from .session import Session
 from .sliding import SlidingLayer
 
@@ -191,7 +192,9 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
     from .scorer import fingerprint
 
     with refusing():
-        check_model(model, tokenizer, "compress_context(model, tokenizer, context, ...)")
+        call = "compress_context(model, tokenizer, context, ...)"
+        check_model(model, call)
+        check_tokenizer(tokenizer, call)
         if isinstance(context, str):
             ids = split_prompt(tokenizer, context, PLACEHOLDER, chat_template)[0]
             chat = bool(chat_template and getattr(tokenizer, "chat_template", None))
@@ -201,6 +204,11 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
         if method is None:
             method = default_method(model)
         spec = method if isinstance(method, str) else None
+        if isinstance(method, Method) and budget is not None:
+            raise ParameterTypeError("budget= goes with a method name or spec; a Method object carries its own "
+                                     "(get_method('snapkv', budget=0.1))")
+        if isinstance(method, str):
+            check_budget_once(method, budget, "budget=")
         if not isinstance(method, Method):
             method = get_method(method, budget=budget)
         spec = spec or spec_of(method)

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from .errors import InputError
+from .spec import check_budget_once
 
 COMMANDS = ("compress", "ask", "inspect")  # `kvmerge NAME`, dispatched here by the command line
 
@@ -56,6 +57,7 @@ def compress(args) -> int:
     text = read_text(args.context)
     out = _writable("--out", args.out)
     if args.method is not None:  # checked before the model loads
+        check_budget_once(args.method, args.budget)
         runs_here(method(args.method, args.budget, args.prefill_chunk), args.model)
     quiet_loading(args)
     model, tok = _model_of(args)

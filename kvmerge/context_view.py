@@ -45,9 +45,11 @@ def terminal(context, color: bool = True) -> str:
 
 
 def entries_line(context) -> str:
-    """Entries per compressed layer and head, over the layers: "36–131 (mean 59) over 30 layers"."""
+    """Entries per compressed layer and head as compressed, over the layers: "36–131 (mean 59) over
+    30 layers" (from the kept positions where the context has them, else from its cache)."""
     cache = context.session.cache
-    entries = [cache.layers[i].mean_entries for i in cache.compressible]
+    entries = [int((pos >= -1).sum()) / pos.shape[0] for pos in context.kept] if context.kept is not None else \
+        [cache.layers[i].mean_entries for i in cache.compressible]
     return f"{min(entries):.0f}–{max(entries):.0f} (mean {sum(entries) / len(entries):.0f}) over {len(entries)} layers"
 
 

@@ -14,8 +14,9 @@ from .context import CompressedContext
 from .decoding import GenerationOutput, Sampling, cache_stats, cut_at_stop, decode, from_context, stop_strings, stopper
 from .errors import InputError, ParameterTypeError, refusing
 from .methods import Method, get_method
+from .spec import check_budget_once
 from .progress import bars_for, watching
-from .prompt import check_model, check_questions, common_prefix, end_ids, is_ids, split_prompt, validate
+from .prompt import check_model, check_questions, check_tokenizer, common_prefix, end_ids, is_ids, split_prompt, validate
 from .session import Session
 
 
@@ -36,7 +37,7 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
     keeps, a fraction in (0, 1] or a whole number of entries, with a method name or None (a `Method`
     carries its own). Every check runs before the first forward pass."""
     with refusing():
-        check_model(model, call="generate_ids(model, context_ids, question_ids, ...)")
+        check_model(model, "generate_ids(model, context_ids, question_ids, ...)")
         method, default = _resolve(model, method, budget)
         contexts, questions, window = validate(model, context_ids, question_ids, protocol, max_new_tokens, method,
                                                 prefill_chunk)
@@ -78,6 +79,8 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
         return answer_questions_ids(model, tokenizer, context, questions, max_new_tokens, eos_token_id,
                                     progress=progress, budget=budget, prefill_chunk=prefill_chunk)
     if isinstance(context, CompressedContext):
+        with refusing():
+            _compressed_already(method, budget, prefill_chunk)
         ends = end_ids(tokenizer, chat_template) if eos_token_id is None else eos_token_id
         outs = []
         for q in [questions] if isinstance(questions, str) else questions:
@@ -96,10 +99,10 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
         if not questions:
             raise InputError("no questions to answer")
         call = "answer_questions(model, tokenizer, context, questions, ...)"
-        check_model(model, call=call)
+        check_model(model, call)
         check_questions(questions)
         method = _resolve(model, method, budget)[0] if budget is not None or isinstance(method, str) else method
-        check_model(model, tokenizer, call)
+        check_tokenizer(tokenizer, call)
         pairs = [split_prompt(tokenizer, context, q, chat_template) for q in questions]
         shared = common_prefix([c for c, _ in pairs])
         question_rows = [(c + q)[len(shared):] for c, q in pairs]
@@ -120,7 +123,7 @@ def answer_questions_ids(model, context_ids: list[int], questions: list[list[int
     decoded when `tokenizer` is given. `method` None: the default for this model; it, `budget` and
     `prefill_chunk` as in `generate_ids`."""
     with refusing():
-        check_model(model, call="answer_questions_ids(model, context_ids, question_ids, ...)")
+        check_model(model, "answer_questions_ids(model, context_ids, question_ids, ...)")
         method, default = _resolve(model, method, budget)
         if not isinstance(questions, (list, tuple)) or not questions:
             raise InputError("questions must be a non-empty list of token-id rows")
@@ -167,6 +170,7 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
     in (0, 1] or a whole number of entries (default: the method's, 0.25)."""
     if isinstance(context, CompressedContext):
         with refusing():
+            _compressed_already(method, budget, prefill_chunk)
             if not isinstance(question, str):
                 raise ParameterTypeError("a compressed context answers one question str at a time here "
                                          "(several: kvmerge.answer_questions)")
@@ -183,7 +187,9 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
         questions = [question] if isinstance(question, str) else list(question)
         if len(contexts) != len(questions):
             raise InputError(f"{len(contexts)} contexts but {len(questions)} questions")
-        check_model(model, tokenizer)
+        call = "generate(model, tokenizer, context, question, ...)"
+        check_model(model, call)
+        check_tokenizer(tokenizer, call)
         check_questions(questions)
         if isinstance(method, str) or budget is not None:
             method = _resolve(model, method, budget)[0]
@@ -212,7 +218,19 @@ def _resolve(model, method, budget=None) -> tuple[Method, bool]:
     if isinstance(method, Method) and budget is not None:
         raise ParameterTypeError("budget= goes with a method name or spec (method='snapkv', budget=0.1); a Method "
                                  "object carries its own (get_method('snapkv', budget=0.1))")
+    if isinstance(method, str):
+        check_budget_once(method, budget, "budget=")
     return (get_method(method, budget) if isinstance(method, str) else method), False
+
+
+def _compressed_already(method, budget, prefill_chunk) -> None:
+    """A compressed context was compressed with its own method and budget: refuse options that would
+    compress it again."""
+    given = [name for name, v in (("method", method), ("budget", budget), ("prefill_chunk", prefill_chunk))
+             if v is not None]
+    if given:
+        raise ParameterTypeError(f"a compressed context is answered as it was compressed: {', '.join(given)} "
+                                 "goes to compress_context")
 
 
 def _check_tokenizer(method, tokenizer) -> None:

@@ -222,6 +222,9 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
     import socket
     from urllib.parse import urlparse
 
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                                       "all_proxy")):
+        return True  # reached through a proxy: transformers' own request decides
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     try:
         socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()

@@ -27,13 +27,19 @@ def end_ids(tokenizer, chat_template: bool = True) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def check_model(model, tokenizer=None, call: str = "generate(model, tokenizer, ...)") -> None:
-    """Refuse a `model` that is not a transformers model, or a `tokenizer` that is not a tokenizer
-    (the two swapped, most often), in one line naming the call's order."""
+def check_model(model, call: str) -> None:
+    """Refuse a `model` that is not a transformers model (the tokenizer in its place, most often), in
+    one line naming the call's order."""
     if not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
         raise ParameterTypeError(f"{call} takes a transformers model first, got {type(model).__name__} "
                                  "(model, tok = kvmerge.load_model(...))")
-    if tokenizer is not None and (isinstance(tokenizer, torch.nn.Module) or not callable(tokenizer)):
+
+
+def check_tokenizer(tokenizer, call: str) -> None:
+    """Refuse a missing tokenizer, or something else in its place (the model: the two swapped)."""
+    if tokenizer is None:
+        raise InputError(f"{call} reads text and needs the model's tokenizer: pass the one load_model returned")
+    if isinstance(tokenizer, torch.nn.Module) or not callable(tokenizer):
         raise ParameterTypeError(f"{call} takes the model's tokenizer second, got {type(tokenizer).__name__}")
 
 

@@ -42,3 +42,14 @@ a parameter set twice."""
         except ValueError:
             params[key] = value
     return name, params
+
+
+def check_budget_once(spec: str, budget, option: str = "--budget") -> None:
+    """Refuse a `budget` given beside a spec that sets another one (`snapkv:budget=0.1` and 0.5):
+    one of the two would be silently ignored."""
+    if budget is None:
+        return
+    name, params = parse_spec(spec)
+    given = params.get("budget")
+    if given is not None and given != budget and name != "full":
+        raise InputError(f"{spec} sets budget={given} and {option} {budget}: give the budget once")

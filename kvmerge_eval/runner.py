@@ -79,12 +79,12 @@ def run(task, model, tok, methods, budgets, lengths, samples, out_dir, protocol=
     for m in methods:
         get_method(m, budgets[0])  # unknown names and parameters fail now, not an hour in
     configs = [(m, b) for m in methods for b in ([1.0] if m == "full" else budgets)]
+    todo = [(s, m, b) for s in data for m, b in configs if run_key(label(m), b, s.meta) not in done]
+    groups = _by_prompt(task, tok, todo, protocol)  # refuses a length the task cannot write, before any write
     _write_whole(out / f"{task}_config.json", json.dumps(
         {"task": task, "methods": methods, "budgets": budgets, "lengths": lengths, "samples": samples,
          "protocol": protocol, "text": text, "limit": limit, "subtasks": subtasks, "prefill_chunk": prefill_chunk},
         indent=1))
-    todo = [(s, m, b) for s in data for m, b in configs if run_key(label(m), b, s.meta) not in done]
-    groups = _by_prompt(task, tok, todo, protocol)
     with path.open("ab", buffering=0) as f, tqdm(total=len(todo), desc=task, unit="run") as bar:
         if f.tell() and not _ends_a_line(path):
             _append(f, b"\n")  # a last row written whole but for its newline

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import kvmerge
 import kvmerge.model
 from kvmerge.cli import main
 from kvmerge.errors import InputError
@@ -23,7 +24,8 @@ def no_model(monkeypatch):
     def refuse(*_a, **_k):
         raise ModelLoaded("the model was loaded")
 
-    monkeypatch.setattr(kvmerge.model, "load_model", refuse)
+    monkeypatch.setattr(kvmerge, "load_model", refuse)  # `from kvmerge import load_model` too (patched first:
+    monkeypatch.setattr(kvmerge.model, "load_model", refuse)  # reading kvmerge's caches kvmerge.model's)
 
 
 @pytest.fixture
@@ -105,7 +107,7 @@ MISTAKES = [  # argv, what the line must say
     (G + ["--method", "snapkv:window=16:window=8"], "sets window twice"),
     (G + ["--method", ""], "names no method"),
     (G + ["--method", "snapkv,mixedmerge"], "names several methods", "eval/bench --methods"),
-    (G + ["--method", "snapkv:budget=0.1", "--budget", "0.5"], "budget=0.1", "0.5", "give the budget once"),
+    (G + ["--method", "snapkv:budget=0.1", "--budget", "0.5"], "budget=0.1", "--budget 0.5", "give the budget once"),
     (["eval", "--task", "ruler", "--subtasks", "multikye"], "no subtask 'multikye' (did you mean multikey"),
     (["eval", "--task", "niah", "--subtasks", "multikey"], "the niah task has none"),
     (["compress", "--context", "ctx.txt", "--out", "nodir/c.kvz"], "no folder 'nodir'"),
@@ -144,6 +146,11 @@ def test_a_spec_budget_stands_alone_and_method_names_read_as_specs_do(capsys, fi
     with pytest.raises(SystemExit) as e:
         main(G + ["--method", "snapkv:budget=0.1"])
     assert e.value.code == 1 and "the model was loaded" in capsys.readouterr().err
+    for command in (["demo", "--methods", "snapkv:budget=0.1"], ["bench", "--methods", "snapkv:budget=0.1"],
+                    ["eval", "--methods", "kvzip:budget=0.4:alloc=uniform"]):  # a suite's spec, as suites run it
+        with pytest.raises(SystemExit) as e:
+            main(command)
+        assert e.value.code == 1 and "the model was loaded" in capsys.readouterr().err, command
     assert main(["methods", "SnapKV"]) == 0
     assert capsys.readouterr().out.startswith("snapkv (method)")
 
@@ -326,5 +333,5 @@ def test_eval_refuses_lengths_beyond_the_models_positions_before_any_run(capsys,
     monkeypatch.setattr(kvmerge.model, "load_model", lambda *a, **k: (tiny_model(max_position_embeddings=512),
                                                                       TinyTokenizer()))
     fails(capsys, ["eval", "--lengths", "256,1000", "--out", "out"], "--lengths 1000", "512 positions",
-          "at most 448")
+          "ask for fewer tokens")
     assert not (files / "out" / "niah.jsonl").exists()

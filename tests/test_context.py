@@ -142,6 +142,17 @@ def test_the_commands_refuse_bad_files_before_any_model_loads(capsys, tmp_path, 
     fails(capsys, ["inspect", str(good), "--html", str(tmp_path)], "--html", "is a folder")
 
 
+def test_a_compressed_context_refuses_options_that_would_compress_it_again():
+    model, ctx = _context(tiny_model, "snapkv")
+    for options in ({"budget": 0.1}, {"method": "full"}, {"prefill_chunk": 64}):
+        with pytest.raises(KVMergeError, match="answered as it was compressed: .* goes to compress_context"):
+            kvmerge.answer_questions(model, TinyTokenizer(), ctx, ["q"], **options)
+    with pytest.raises(KVMergeError, match="a Method object carries its own"):
+        kvmerge.compress_context(model, TinyTokenizer(), random_ids(160), kvmerge.get_method("snapkv"), 0.1)
+    with pytest.raises(KVMergeError, match="give the budget once"):
+        kvmerge.compress_context(model, TinyTokenizer(), random_ids(160), "snapkv:budget=0.5", 0.1)
+
+
 @pytest.mark.parametrize("spec", ["snapkv", "snapkv:alloc=head", "mixedmerge"])
 def test_entries_reported_are_the_entries_each_head_holds(spec):
     """The summary's entries per layer and head are what the heads hold (ragged heads at their own

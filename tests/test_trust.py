@@ -151,6 +151,16 @@ def test_swapped_arguments_and_empty_questions_are_refused_before_any_forward(no
         kvmerge.generate(no_forward, tok, "a context", "  ")
     with pytest.raises(InputError, match="a question is empty"):
         kvmerge.answer_questions(no_forward, tok, "a context", ["q", ""])
+    with pytest.raises(InputError, match="needs the model's tokenizer"):
+        kvmerge.generate(no_forward, None, "a context", "q")
+
+
+def test_a_spec_budget_and_budget_given_apart_must_agree(llama):
+    ids = random_ids(200, seed=3)
+    with pytest.raises(InputError, match=r"snapkv:budget=0.1 sets budget=0.1 and budget= 0.5: give the budget once"):
+        kvmerge.generate_ids(llama, ids, [3], "snapkv:budget=0.1", budget=0.5)
+    out = kvmerge.generate_ids(llama, ids, [3], "snapkv:budget=0.5:window=8", max_new_tokens=1, budget=0.5)
+    assert out.stats["cache_entries"] == [100, 100]
 
 
 @pytest.mark.parametrize("budget", [0, -1])
@@ -256,7 +266,8 @@ def test_a_hub_id_that_cannot_be_downloaded_is_refused_at_once(monkeypatch):
     """Not cached and the hub unreachable: one line in seconds, not minutes of retries."""
     import time
 
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
     start = time.perf_counter()
     with pytest.raises(InputError, match="not in the local Hugging Face cache and the hub cannot be reached"):

@@ -199,10 +199,12 @@ class Method:
         want = round(self.budget * n_tokens) if isinstance(self.budget, float) else self.budget
         want = min(max(want, 1), n_tokens)
         if want < n_tokens and want < self.sinks + window:
+            ways = [f"keep at least {self.sinks + window} entries (budget={self.sinks + window})"]
+            if window == self.window and window > 8:  # not the question's own tokens (the aware protocol)
+                ways.append("protect fewer (window=8)")
             raise ValueError(f"context too short for budget {self.budget}: {n_tokens} tokens give {want} entries, "
-                             f"fewer than the protected sinks + window ({self.sinks} + {window}); keep at least "
-                             f"{self.sinks + window} entries (budget={self.sinks + window}), protect fewer "
-                             f"(window=8), or keep the whole cache (method full)")
+                             f"fewer than the protected sinks + window ({self.sinks} + {window}); "
+                             f"{', '.join(ways)} or keep the whole cache (method full)")
         return want
 
     def running_target(self, n_tokens: int, window: int | None = None) -> int:
