@@ -234,6 +234,7 @@ def detail(name: str, width: int | None = None) -> str:
     width = width or 100
     data = {r["name"]: r for r in rows()}
     alias = {a: r["name"] for r in data.values() for a in r["aliases"]}
+    name = name.split(":", 1)[0]  # a spec names its method first
     found = row(name)
     if found is None:
         raise UnknownNameError(f"unknown method {name!r}{suggest(name, [*data, *alias])}; `kvmerge methods` lists "

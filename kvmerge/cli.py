@@ -39,10 +39,15 @@ class _Parser(argparse.ArgumentParser):
             what = "command" if what in ("command", "COMMAND") else what
             message = f"unknown {what} {word!r}{suggest(word, options)}; choose from {', '.join(options)}"
         unknown = re.match(r"unrecognized arguments: (.*)", message)
+        prog = self.prog
         if unknown:
             word = unknown.group(1).split()[0]
-            message = f"unknown option {word!r}{suggest(word, _options(self, self._command))}"
-        raise _fail(self.prog, message)
+            command = self._command if self._command in _commands(self) else None
+            prog = f"kvmerge {command}" if command else prog
+            what = "option" if word.startswith("-") else "argument"
+            message = f"unknown {what} {word!r}{suggest(word, _options(self, command))}" + \
+                (f" (kvmerge {command} --help lists its options)" if command else "")
+        raise _fail(prog, message)
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -57,6 +62,10 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         value = action.default
         shown = "none" if value is None else ",".join(map(str, value)) if isinstance(value, list) else str(value)
         return f"{help} (default: {shown.replace('%', '%%')})"
+
+
+def _commands(parser) -> list[str]:
+    return [name for a in parser._actions if isinstance(a, argparse._SubParsersAction) for name in a.choices]
 
 
 def _options(parser, command: str | None = None) -> list[str]:

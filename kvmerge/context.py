@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
@@ -99,10 +100,17 @@ class CompressedContext:
                 tensors[f"kept.{i}"] = pos.to(torch.int32)
         meta = {**self.meta, "layers": layers, "states": states}
         path = Path(path)
+        with refusing():
+            if path.is_dir() or not path.parent.is_dir():
+                raise InputError(f"cannot save to {path}: " + ("it is a folder" if path.is_dir() else
+                                                             f"no folder {str(path.parent)!r}"))
         tmp = path.with_name(path.name + ".part")
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp),
                   metadata={"format": FORMAT, "version": str(VERSION), "meta": json.dumps(meta)})
         tmp.replace(path)
+        umask = os.umask(0)
+        os.umask(umask)
+        path.chmod(0o666 & ~umask)  # as any file the user writes (the writer's temporary file is private)
         return path
 
     @property
@@ -240,8 +248,12 @@ def load_context(path, model, tokenizer) -> CompressedContext:
     from .methods import get_method
     from .scorer import fingerprint
 
-    path = Path(path)
     with refusing():
+        if not isinstance(path, (str, os.PathLike)):
+            raise ParameterTypeError(f"load_context(path, model, tokenizer) takes the file's path first, got "
+                                     f"{type(path).__name__}")
+        check_model(model, "load_context(path, model, tokenizer)")
+        path = Path(path)
         head = check_file(path)
         try:
             with safe_open(str(path), "pt") as f:
@@ -286,6 +298,11 @@ def check_file(path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise InputError(f"no compressed-context file {str(path)!r} (kvmerge compress --out writes one)")
+    with path.open("rb") as f:
+        start = f.read(9)
+    if len(start) == 9 and start[8:9] != b"{":  # a safetensors file opens with its header's length, then JSON
+        raise ContextFileError(f"{path} is not a compressed-context file (kvmerge compress --out writes one; a text "
+                               "file goes to kvmerge generate --context)")
     try:
         with safe_open(str(path), "pt") as f:
             head = f.metadata() or {}

@@ -130,6 +130,8 @@ def inspect(args) -> int:
         Path(args.html).write_text(context_view.page(ctx, png), encoding="utf-8")
         print(f"wrote {args.html}", file=sys.stderr)
     if not args.no_text:
+        color = sys.stdout.isatty() or args.color
         print()
-        print(context_view.terminal(ctx, color=sys.stdout.isatty() or args.color))
+        print(context_view.terminal(ctx, color=color))
+        print(context_view.legend(color))
     return 0

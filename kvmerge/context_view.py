@@ -44,6 +44,14 @@ def terminal(context, color: bool = True) -> str:
     return "".join(out)
 
 
+def legend(color: bool = True) -> str:
+    """What `terminal`'s shading means, one line."""
+    if not color:
+        return "(tokens as text: kept as their own entry by at least one head; ····: by none, merged or dropped)"
+    return ("(\x1b[1;30;42mkept by most heads\x1b[0m, \x1b[33mby some\x1b[0m, \x1b[2mby none: merged or "
+            "dropped\x1b[0m; over every compressed layer)")
+
+
 def entries_line(context) -> str:
     """Entries per compressed layer and head as compressed, over the layers: "36–131 (mean 59) over
     30 layers" (from the kept positions where the context has them, else from its cache)."""

@@ -186,7 +186,8 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
         contexts = [context] if single else list(context)
         questions = [question] if isinstance(question, str) else list(question)
         if len(contexts) != len(questions):
-            raise InputError(f"{len(contexts)} contexts but {len(questions)} questions")
+            hint = " (several questions about one context: kvmerge.answer_questions)" if single else ""
+            raise InputError(f"{len(contexts)} contexts but {len(questions)} questions{hint}")
         call = "generate(model, tokenizer, context, question, ...)"
         check_model(model, call)
         check_tokenizer(tokenizer, call)

@@ -105,6 +105,8 @@ MISTAKES = [  # argv, what the line must say
     (["train-scorer", "--model", "gemma-3-270m"], "unknown model 'gemma-3-270m' (did you mean gemma3-270m?)"),
     (["train-scorer", "--texts", "0"], "argument --texts"),
     (G + ["--method", "snapkv:window=16:window=8"], "sets window twice"),
+    (G + ["--out", "x.kvz"], "kvmerge generate: unknown option '--out'", "kvmerge generate --help"),
+    (["methods", "snapkv", "mixedmerge"], "kvmerge methods: unknown argument 'mixedmerge'"),
     (G + ["--method", ""], "names no method"),
     (G + ["--method", "snapkv,mixedmerge"], "names several methods", "eval/bench --methods"),
     (G + ["--method", "snapkv:budget=0.1", "--budget", "0.5"], "budget=0.1", "--budget 0.5", "give the budget once"),
@@ -151,8 +153,9 @@ def test_a_spec_budget_stands_alone_and_method_names_read_as_specs_do(capsys, fi
         with pytest.raises(SystemExit) as e:
             main(command)
         assert e.value.code == 1 and "the model was loaded" in capsys.readouterr().err, command
-    assert main(["methods", "SnapKV"]) == 0
-    assert capsys.readouterr().out.startswith("snapkv (method)")
+    for name in ("SnapKV", "snapkv:window=8"):
+        assert main(["methods", name]) == 0
+        assert capsys.readouterr().out.startswith("snapkv (method)")
 
 
 def test_debug_shows_the_traceback(files, monkeypatch):

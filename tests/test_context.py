@@ -100,7 +100,7 @@ def test_unusable_files_are_refused_in_one_line(tmp_path):
     (tmp_path / "cut.kvz").write_bytes(data[: len(data) // 2])
     _refused(tmp_path / "cut.kvz", model, "cut off or corrupt")
     (tmp_path / "junk.kvz").write_bytes(b"\x00" * 64)
-    _refused(tmp_path / "junk.kvz", model, "cut off or corrupt")
+    _refused(tmp_path / "junk.kvz", model, "not a compressed-context file")
     _refused(tmp_path / "none.kvz", model, "no compressed-context file")
     _refused(_rewrite(path, tmp_path / "new.kvz", version="99"), model, "newer than this kvmerge reads")
     _refused(_rewrite(path, tmp_path / "other.kvz", format="something"), model, "not a kvmerge compressed context")
@@ -131,8 +131,8 @@ def test_the_commands_refuse_bad_files_before_any_model_loads(capsys, tmp_path, 
     (tmp_path / "junk.kvz").write_bytes(b"\x00" * 64)
     (tmp_path / "ctx.txt").write_text("Some text.")
     fails(capsys, ["ask", str(tmp_path / "none.kvz"), "--question", "Why?"], "no compressed-context file")
-    fails(capsys, ["ask", str(tmp_path / "junk.kvz"), "--question", "Why?"], "cut off or corrupt")
-    fails(capsys, ["inspect", str(tmp_path / "junk.kvz")], "cut off or corrupt")
+    fails(capsys, ["ask", str(tmp_path / "junk.kvz"), "--question", "Why?"], "not a compressed-context file")
+    fails(capsys, ["inspect", str(tmp_path / "ctx.txt")], "not a compressed-context file", "generate --context")
     fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", str(tmp_path)], "is a folder")
     fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", "x.kvz", "--method", "snapkv:nope=1"],
           "nope")
@@ -140,6 +140,25 @@ def test_the_commands_refuse_bad_files_before_any_model_loads(capsys, tmp_path, 
     good = ctx.save(tmp_path / "good.kvz")
     fails(capsys, ["inspect", str(good), "--png", str(tmp_path / "nodir" / "k.png")], "--png", "no folder")
     fails(capsys, ["inspect", str(good), "--html", str(tmp_path)], "--html", "is a folder")
+
+
+def test_saving_and_loading_refuse_a_wrong_place_and_order_and_files_read_as_any_others(tmp_path):
+    import os
+    import stat
+
+    model, ctx = _context(tiny_model, "snapkv")
+    with pytest.raises(KVMergeError, match="cannot save to .*: no folder"):
+        ctx.save(tmp_path / "nodir" / "c.kvz")
+    with pytest.raises(KVMergeError, match="cannot save to .*: it is a folder"):
+        ctx.save(tmp_path)
+    umask = os.umask(0o022)
+    try:
+        path = ctx.save(tmp_path / "c.kvz")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    with pytest.raises(KVMergeError, match=r"takes the file's path first, got LlamaForCausalLM"):
+        kvmerge.load_context(model, TinyTokenizer(), path)
 
 
 def test_a_compressed_context_refuses_options_that_would_compress_it_again():

@@ -153,6 +153,8 @@ def test_swapped_arguments_and_empty_questions_are_refused_before_any_forward(no
         kvmerge.answer_questions(no_forward, tok, "a context", ["q", ""])
     with pytest.raises(InputError, match="needs the model's tokenizer"):
         kvmerge.generate(no_forward, None, "a context", "q")
+    with pytest.raises(InputError, match="1 contexts but 2 questions .*kvmerge.answer_questions"):
+        kvmerge.generate(no_forward, tok, "a context", ["q", "r"])
 
 
 def test_a_spec_budget_and_budget_given_apart_must_agree(llama):
