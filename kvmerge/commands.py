@@ -119,18 +119,31 @@ def runs_here(m, model) -> None:
                                "layers (e.g. --model gemma3-270m)")
 
 
-def Streamer(tok):  # noqa: N802 - builds a class's instance
+def Streamer(tok, stop: list[str] | None = None):  # noqa: N802 - builds a class's instance
     """A `transformers.TextStreamer` that prints the answer from its first visible character (a
-    model's leading blank lines are not shown; `.text` is stripped the same way)."""
+    model's leading blank lines are not shown; `.text` is stripped the same way) and, with `stop`
+    strings, up to the first of them (held back until it cannot be the start of one)."""
     from transformers import TextStreamer
 
+    stops = [x for x in stop or [] if x]
+    hold = max(map(len, stops), default=1) - 1
+
     class _Streamer(TextStreamer):
-        started = False
+        started, pending, stopped = False, "", False
 
         def on_finalized_text(self, text: str, stream_end: bool = False):
             if not self.started:
                 text = text.lstrip()
                 self.started = bool(text)
+            if self.stopped:
+                return super().on_finalized_text("", True) if stream_end else None
+            text, self.pending = self.pending + text, ""
+            found = [i for i in (text.find(x) for x in stops) if i >= 0]
+            if found:
+                self.stopped = True
+                return super().on_finalized_text(text[:min(found)], stream_end)
+            if not stream_end and hold:
+                text, self.pending = text[:-hold], text[-hold:]
             super().on_finalized_text(text, stream_end)
 
     return _Streamer(tok, skip_special_tokens=True)
@@ -190,6 +203,11 @@ def generate(args) -> int:
         raise InputError("--question is empty: ask something about the context")
     if args.stop is not None and not all(args.stop):
         raise InputError("--stop needs non-empty strings, comma-separated")
+    shaping = [o for o, on in (("--top-k", args.top_k), ("--top-p", args.top_p < 1), ("--seed", args.seed is not None))
+               if on]
+    if shaping and args.temperature == 0:
+        raise InputError(f"{', '.join(shaping)} shape sampling, and --temperature 0 decodes greedily: add --temperature "
+                         "(e.g. 0.7), or leave them out")
     model_name(args.model)
     spec = args.method if args.method is not None else _default_spec(args.model)  # None: known once loaded
     if spec is not None:
@@ -197,6 +215,8 @@ def generate(args) -> int:
         if params.get("sliding") is not None:  # refused before torch loads, where it can be
             runs_here(argparse.Namespace(name=name, sliding=params["sliding"], label=name), args.model)
         check_budget_once(spec, args.budget)
+        if name == "full" and args.budget is not None:
+            raise InputError("--method full keeps the whole cache: --budget does not apply")
         m = method(spec, args.budget, args.prefill_chunk)
         runs_here(m, args.model)
     else:  # the default is known once the model loads: what every candidate refuses is refused now
@@ -222,7 +242,7 @@ def generate(args) -> int:
     bars = None if args.no_progress else ProgressBars(decode=not sys.stdout.isatty())
     out = run(model, tok, text, args.question, m, args.max_new_tokens, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-              streamer=Streamer(tok), prefill_chunk=args.prefill_chunk, progress=bars)
+              streamer=Streamer(tok, args.stop), prefill_chunk=args.prefill_chunk, progress=bars)
     out.stats["method"] = spec  # as the user named it, settings included
     print(f"[{out.stats}]", file=sys.stderr)
     return 0

@@ -58,6 +58,8 @@ def compress(args) -> int:
     out = _writable("--out", args.out)
     if args.method is not None:  # checked before the model loads
         check_budget_once(args.method, args.budget)
+        if args.method.partition(":")[0] == "full" and args.budget is not None:
+            raise InputError("--method full keeps the whole cache: --budget does not apply")
         runs_here(method(args.method, args.budget, args.prefill_chunk), args.model)
     quiet_loading(args)
     model, tok = _model_of(args)

@@ -105,6 +105,11 @@ MISTAKES = [  # argv, what the line must say
     (["train-scorer", "--model", "gemma-3-270m"], "unknown model 'gemma-3-270m' (did you mean gemma3-270m?)"),
     (["train-scorer", "--texts", "0"], "argument --texts"),
     (G + ["--method", "snapkv:window=16:window=8"], "sets window twice"),
+    (G + ["--seed", "3"], "--seed shape sampling", "add --temperature"),
+    (G + ["--top-k", "5", "--top-p", "0.9"], "--top-k, --top-p shape sampling"),
+    (G + ["--method", "full", "--budget", "0.1"], "--budget does not apply"),
+    (["compress", "--context", "ctx.txt", "--out", "c.kvz", "--method", "full", "--budget", "0.1"],
+     "--budget does not apply"),
     (G + ["--out", "x.kvz"], "kvmerge generate: unknown option '--out'", "kvmerge generate --help"),
     (["methods", "snapkv", "mixedmerge"], "kvmerge methods: unknown argument 'mixedmerge'"),
     (G + ["--method", ""], "names no method"),
@@ -338,3 +343,20 @@ def test_eval_refuses_lengths_beyond_the_models_positions_before_any_run(capsys,
     fails(capsys, ["eval", "--lengths", "256,1000", "--out", "out"], "--lengths 1000", "512 positions",
           "ask for fewer tokens")
     assert not (files / "out" / "niah.jsonl").exists()
+
+
+@pytest.mark.parametrize("pieces, stop, shown", [
+    (["\n\n The ferry", " times are: 10:15, 1", "3:30 and", " more"], ["13"], "The ferry times are: 10:15, \n"),
+    (["\n\n The ferry", " times", ""], None, "The ferry times\n"),
+    (["a", "b", "c"], ["xyz"], "abc\n"),
+    (["  ", "\n", ""], ["13"], "\n"),
+])
+def test_the_streamed_answer_starts_at_its_first_visible_character_and_ends_before_a_stop(capsys, pieces, stop,
+                                                                                         shown):
+    from kvmerge.commands import Streamer
+
+    streamer = Streamer(object(), stop)
+    for piece in pieces[:-1]:
+        streamer.on_finalized_text(piece)
+    streamer.on_finalized_text(pieces[-1], stream_end=True)
+    assert capsys.readouterr().out == shown
