@@ -118,6 +118,17 @@ class CompressedContext:
         """The compressed context's bytes (keys, values, log-mass), sliding layers included."""
         return self.rewind().cache.nbytes
 
+    def summary(self) -> str:
+        """One line: tokens, method and budget, entries per compressed layer and head, bytes."""
+        from .context_view import entries_line
+
+        size = self.nbytes
+        return (f"{self.tokens:,} tokens, {self.meta['method']} at budget {self.meta['budget']}: entries per "
+                f"compressed layer and head {entries_line(self)}; {size / 2**20:.2f} MiB, "
+                f"{size / self.meta['full_bytes']:.1%} of the full cache")
+
+    __str__ = summary
+
 
 def batch(contexts: list[CompressedContext]) -> Session:
     """One session holding several compressed contexts of one model and method as the rows of a

@@ -75,11 +75,7 @@ def compress(args) -> int:
     ctx = compress_context(model, tok, text, spec, args.budget, keep_ids=not args.no_ids,
                            prefill_chunk=args.prefill_chunk, progress=None if args.no_progress else ProgressBars())
     size = ctx.save(out).stat().st_size
-    from .context_view import entries_line
-
-    print(f"[{ctx.tokens:,} tokens → entries per compressed layer and head {entries_line(ctx)}; "
-          f"{ctx.nbytes / 2**20:.2f} MiB, {ctx.nbytes / ctx.meta['full_bytes']:.1%} of the full cache; "
-          f"file {size / 2**20:.2f} MiB; {time.perf_counter() - start:.1f} s] → {out}")
+    print(f"[{ctx}; file {size / 2**20:.2f} MiB; {time.perf_counter() - start:.1f} s] → {out}")
     return 0
 
 

@@ -226,3 +226,10 @@ def test_contexts_of_different_lengths_answer_in_one_batch_as_alone(build, spec)
     other = kvmerge.compress_context(model, TinyTokenizer(), random_ids(100), "snapkv:window=8", 0.5)
     with pytest.raises(KVMergeError, match="one model and one method spec"):
         batch([contexts[0], other])
+
+
+def test_a_compressed_context_reads_as_one_line():
+    _, ctx = _context(tiny_model, "snapkv:alloc=head")
+    line = str(ctx)
+    assert "\n" not in line and line.startswith("160 tokens, snapkv:") and "at budget 0.25" in line
+    assert "entries per compressed layer and head" in line and line.endswith("of the full cache")
