@@ -207,6 +207,7 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
     from .cache import stock_cache_bytes
     from .defaults import default_method
     from .methods import Method, get_method
+    from .context_view import Provenance
     from .progress import watching
     from .scorer import fingerprint
 
@@ -233,7 +234,7 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
         spec = spec or spec_of(method)
         validate(model, [ids], [[0]], "agnostic", 1, method, prefill_chunk)
         session = Session(model, 1, method, tokenizer)
-    positions = _Provenance(session)
+    positions = Provenance(session)
     report = bars_for(progress)
     try:
         with watching(session, report, len(ids)):
@@ -412,39 +413,3 @@ def _state_in(state, meta: dict, prefix: str, tensors: dict) -> None:
     state.compressed_at, state.scaling, state.extra = meta["compressed_at"], meta["scaling"], meta["extra"]
     state.targets = tensors[prefix + "targets"].cpu() if prefix + "targets" in tensors else None
     state.scratch = {k: tensors[f"{prefix}scratch.{k}"] if v is None else v for k, v in meta["scratch"].items()}
-
-
-class _Provenance:
-    """Which context position each kept entry is: the keys of each compressible layer's plain slots are
-    recorded before every compression of a prefill, and each entry left afterwards is matched to the
-    one it equals (a merged entry, an average, equals none)."""
-
-    def __init__(self, session: Session):
-        self.session, self.keys = session, {i: [] for i in session.cache.compressible}
-        session.before_compress = self.record
-
-    def record(self) -> None:
-        s = self.session
-        plain, seen = int(s.plain[0]), int(s.seen[0])
-        for i, keys in self.keys.items():
-            layer = s.cache.layers[i]
-            fresh = layer.kv().keys[0, :, -plain:].float().clone()
-            done = sum(k.shape[1] for k in keys)
-            keys.append(fresh[:, done - (seen - plain):] if done > seen - plain else fresh)
-
-    @torch.no_grad()
-    def kept(self) -> list[torch.Tensor] | None:
-        self.session.before_compress = None
-        if not any(self.keys.values()):
-            return None
-        out = []
-        for i, parts in self.keys.items():
-            source = torch.cat(parts, 1)  # (h, n): the context's keys in order
-            kv = self.session.cache.layers[i].kv()
-            keys, log_n = kv.keys[0].float(), kv.log_n[0]
-            dist = torch.cdist(keys, source)  # (h, slots, n)
-            near, at = dist.min(-1)
-            exact = near <= 1e-3 * source.norm(dim=-1).mean(-1, keepdim=True)
-            pos = torch.where(exact & (log_n.abs() < 1e-6), at, torch.full_like(at, -1))
-            out.append(pos.masked_fill(torch.isinf(log_n), -2).cpu())
-        return out

@@ -1,7 +1,8 @@
 """What a compression kept, shown over the context's own text: in the terminal (kept tokens
 highlighted), as an HTML page or as a PNG with a per-layer heatmap.
 
-A token's **survival** in a compressed layer is the share of its KV heads that keep it as an entry of
+`Provenance` records, while a context is compressed, which position each kept entry is. A token's
+**survival** in a compressed layer is the share of its KV heads that keep it as an entry of
 its own (`CompressedContext.kept`); a token kept by no head was merged into another entry or dropped.
 """
 
@@ -115,3 +116,39 @@ def page(context, heatmap_png: str | None = None) -> str:
             "<p>Shade: the share of KV heads, over all compressed layers, that keep the token as its own entry "
             "(white: merged into another entry or dropped).</p>"
             f"<div style='white-space: pre-wrap; font-family: monospace; line-height: 1.5'>{''.join(spans)}</div>")
+
+
+class Provenance:
+    """Which context position each kept entry is: the keys of each compressible layer's plain slots are
+    recorded before every compression of a prefill, and each entry left afterwards is matched to the
+    one it equals (a merged entry, an average, equals none)."""
+
+    def __init__(self, session):
+        self.session, self.keys = session, {i: [] for i in session.cache.compressible}
+        session.before_compress = self.record
+
+    def record(self) -> None:
+        s = self.session
+        plain, seen = int(s.plain[0]), int(s.seen[0])
+        for i, keys in self.keys.items():
+            layer = s.cache.layers[i]
+            fresh = layer.kv().keys[0, :, -plain:].float().clone()
+            done = sum(k.shape[1] for k in keys)
+            keys.append(fresh[:, done - (seen - plain):] if done > seen - plain else fresh)
+
+    @torch.no_grad()
+    def kept(self) -> list[torch.Tensor] | None:
+        self.session.before_compress = None
+        if not any(self.keys.values()):
+            return None
+        out = []
+        for i, parts in self.keys.items():
+            source = torch.cat(parts, 1)  # (h, n): the context's keys in order
+            kv = self.session.cache.layers[i].kv()
+            keys, log_n = kv.keys[0].float(), kv.log_n[0]
+            dist = torch.cdist(keys, source)  # (h, slots, n)
+            near, at = dist.min(-1)
+            exact = near <= 1e-3 * source.norm(dim=-1).mean(-1, keepdim=True)
+            pos = torch.where(exact & (log_n.abs() < 1e-6), at, torch.full_like(at, -1))
+            out.append(pos.masked_fill(torch.isinf(log_n), -2).cpu())
+        return out
