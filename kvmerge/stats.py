@@ -38,7 +38,7 @@ class Stats(dict):
         entries = sorted(set(self.layers))
         kept = (f"{entries[0]:,}" if len(entries) == 1 else f"{entries[0]:,}–{entries[-1]:,}") if entries else "?"
         parts = [f"{self.get('method', '?')} at budget {self.get('budget')}", f"{tokens} context tokens",
-                 f"{kept} entries per layer"]
+                 f"{kept} entries per layer (its widest head)"]
         if self.ratio is not None:
             parts.append(f"cache {self['cache_bytes'] / MiB:.2f} MiB of {self['full_cache_bytes'] / MiB:.2f} MiB "
                          f"({self.ratio:.1%})")
