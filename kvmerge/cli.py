@@ -47,6 +47,8 @@ class _Parser(argparse.ArgumentParser):
             what = "option" if word.startswith("-") else "argument"
             message = f"unknown {what} {word!r}{suggest(word, _options(self, command))}" + \
                 (f" (kvmerge {command} --help lists its options)" if command else "")
+            if command in ("ask", "inspect") and word.split("=")[0] in ("--method", "--budget", "--prefill-chunk"):
+                message = f"{word.split('=')[0]} does not apply: a .kvz file is answered as kvmerge compress made it"
         raise _fail(prog, message)
 
 

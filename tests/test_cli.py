@@ -112,6 +112,8 @@ MISTAKES = [  # argv, what the line must say
      "--budget does not apply"),
     (G + ["--out", "x.kvz"], "kvmerge generate: unknown option '--out'", "kvmerge generate --help"),
     (["methods", "snapkv", "mixedmerge"], "kvmerge methods: unknown argument 'mixedmerge'"),
+    (["ask", "c.kvz", "--question", "q", "--method", "snapkv"], "kvmerge ask: --method does not apply",
+     "as kvmerge compress made it"),
     (G + ["--method", ""], "names no method"),
     (G + ["--method", "snapkv,mixedmerge"], "names several methods", "eval/bench --methods"),
     (G + ["--method", "snapkv:budget=0.1", "--budget", "0.5"], "budget=0.1", "--budget 0.5", "give the budget once"),
