@@ -78,6 +78,14 @@ def check_protected(spec: str, budget=None, chunk: int | None = None) -> None:
         check_chunk(chunk, sinks, window, "--prefill-chunk")
 
 
+def check_budget_given(spec: str, budget) -> None:
+    """Refuse a --budget the user gave that the spec cannot take: beside another `budget=` in it, or
+    with `full` (which keeps the whole cache)."""
+    check_budget_once(spec, budget)
+    if parse_spec(spec)[0] == "full" and budget is not None:
+        raise InputError("--method full keeps the whole cache: --budget does not apply")
+
+
 def method(spec: str, budget=None, chunk: int | None = None):
     """The method of `spec` with `budget`, checked: a known name (close names suggested), known
     parameters of the declared types, an int budget and a `chunk` above its protected tokens (all
@@ -214,9 +222,7 @@ def generate(args) -> int:
         name, params = parse_spec(spec)
         if params.get("sliding") is not None:  # refused before torch loads, where it can be
             runs_here(argparse.Namespace(name=name, sliding=params["sliding"], label=name), args.model)
-        check_budget_once(spec, args.budget)
-        if name == "full" and args.budget is not None:
-            raise InputError("--method full keeps the whole cache: --budget does not apply")
+        check_budget_given(spec, args.budget)
         m = method(spec, args.budget, args.prefill_chunk)
         runs_here(m, args.model)
     else:  # the default is known once the model loads: what every candidate refuses is refused now

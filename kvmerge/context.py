@@ -29,7 +29,6 @@ from .errors import InputError, KVMergeError, ParameterTypeError, refusing
 from .layer import MergedLayer
 from .progress import bars_for
 from .prompt import check_model, check_questions, check_tokenizer, end_ids, split_prompt, validate
-from .spec import check_budget_once
 from .session import Session
 from .sliding import SlidingLayer
 
@@ -205,9 +204,8 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
     when the tokenizer has one, or token ids used as they are) with `method` (a name, spec or Method;
     None: the default for this model) at `budget`. `keep_ids=False` stores only the ids' hash."""
     from .cache import stock_cache_bytes
-    from .defaults import default_method
-    from .methods import Method, get_method
     from .context_view import Provenance
+    from .defaults import default_method, resolve
     from .progress import watching
     from .scorer import fingerprint
 
@@ -224,13 +222,7 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
         if method is None:
             method = default_method(model)
         spec = method if isinstance(method, str) else None
-        if isinstance(method, Method) and budget is not None:
-            raise ParameterTypeError("budget= goes with a method name or spec; a Method object carries its own "
-                                     "(get_method('snapkv', budget=0.1))")
-        if isinstance(method, str):
-            check_budget_once(method, budget, "budget=")
-        if not isinstance(method, Method):
-            method = get_method(method, budget=budget)
+        method = resolve(model, method, budget)[0]
         spec = spec or spec_of(method)
         validate(model, [ids], [[0]], "agnostic", 1, method, prefill_chunk)
         session = Session(model, 1, method, tokenizer)

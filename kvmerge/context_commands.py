@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 from .errors import InputError
-from .spec import check_budget_once
 
 COMMANDS = ("compress", "ask", "inspect")  # `kvmerge NAME`, dispatched here by the command line
 
@@ -52,14 +51,12 @@ def _model_of(args, meta: dict | None = None):
 
 
 def compress(args) -> int:
-    from .commands import method, quiet_loading, read_text, runs_here
+    from .commands import check_budget_given, method, quiet_loading, read_text, runs_here
 
     text = read_text(args.context)
     out = _writable("--out", args.out)
     if args.method is not None:  # checked before the model loads
-        check_budget_once(args.method, args.budget)
-        if args.method.partition(":")[0] == "full" and args.budget is not None:
-            raise InputError("--method full keeps the whole cache: --budget does not apply")
+        check_budget_given(args.method, args.budget)
         runs_here(method(args.method, args.budget, args.prefill_chunk), args.model)
     quiet_loading(args)
     model, tok = _model_of(args)

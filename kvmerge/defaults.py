@@ -56,3 +56,21 @@ def _has_sliding_layers(config) -> bool:
         return any(w is not None for w in layer_windows(config))
     except ValueError:  # a layer type kvmerge refuses anyway, with its own message
         return False
+
+
+def resolve(model, method, budget=None):
+    """(the method to run, whether it is the default) for the API's `method` and `budget`: None →
+    `default_method(model)`, built at `budget`; a name or spec → built at `budget` (a spec's own
+    `budget=` must agree); a `Method` as it is, refused with a `budget`, which goes with a name."""
+    from .errors import ParameterTypeError
+    from .methods import Method, get_method
+    from .spec import check_budget_once
+
+    if method is None:
+        return get_method(default_method(model), budget), True
+    if isinstance(method, Method) and budget is not None:
+        raise ParameterTypeError("budget= goes with a method name or spec (method='snapkv', budget=0.1); a Method "
+                                 "object carries its own (get_method('snapkv', budget=0.1))")
+    if isinstance(method, str):
+        check_budget_once(method, budget, "budget=")
+    return (get_method(method, budget) if isinstance(method, str) else method), False

@@ -12,9 +12,9 @@ import torch
 
 from .context import CompressedContext
 from .decoding import GenerationOutput, Sampling, cache_stats, cut_at_stop, decode, from_context, stop_strings, stopper
+from .defaults import resolve
 from .errors import InputError, ParameterTypeError, refusing
-from .methods import Method, get_method
-from .spec import check_budget_once
+from .methods import Method
 from .progress import bars_for, watching
 from .prompt import check_model, check_questions, check_tokenizer, common_prefix, end_ids, is_ids, split_prompt, validate
 from .session import Session
@@ -38,7 +38,7 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
     carries its own). Every check runs before the first forward pass."""
     with refusing():
         check_model(model, "generate_ids(model, context_ids, question_ids, ...)")
-        method, default = _resolve(model, method, budget)
+        method, default = resolve(model, method, budget)
         contexts, questions, window = validate(model, context_ids, question_ids, protocol, max_new_tokens, method,
                                                 prefill_chunk)
         if default:
@@ -101,7 +101,7 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
         call = "answer_questions(model, tokenizer, context, questions, ...)"
         check_model(model, call)
         check_questions(questions)
-        method = _resolve(model, method, budget)[0] if budget is not None or isinstance(method, str) else method
+        method = resolve(model, method, budget)[0] if budget is not None or isinstance(method, str) else method
         check_tokenizer(tokenizer, call)
         pairs = [split_prompt(tokenizer, context, q, chat_template) for q in questions]
         shared = common_prefix([c for c, _ in pairs])
@@ -124,7 +124,7 @@ def answer_questions_ids(model, context_ids: list[int], questions: list[list[int
     `prefill_chunk` as in `generate_ids`."""
     with refusing():
         check_model(model, "answer_questions_ids(model, context_ids, question_ids, ...)")
-        method, default = _resolve(model, method, budget)
+        method, default = resolve(model, method, budget)
         if not isinstance(questions, (list, tuple)) or not questions:
             raise InputError("questions must be a non-empty list of token-id rows")
         for q in questions:
@@ -193,7 +193,7 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
         check_tokenizer(tokenizer, call)
         check_questions(questions)
         if isinstance(method, str) or budget is not None:
-            method = _resolve(model, method, budget)[0]
+            method = resolve(model, method, budget)[0]
         sampling = Sampling(temperature, top_k, top_p, seed)
         pairs = [split_prompt(tokenizer, c, q, chat_template) for c, q in zip(contexts, questions)]
     stop, stopped = stop_strings(stop), stopper(tokenizer, stop)
@@ -208,22 +208,6 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
 
 
 # -- the steps ---------------------------------------------------------------------------------
-def _resolve(model, method, budget=None) -> tuple[Method, bool]:
-    """(the method to run, whether it is the default): None → `default_method(model)`, built at
-    `budget`; a name or spec → built at `budget`; a `Method` as it is (`validate` refuses anything
-    else), refused with a `budget`, which goes with a name."""
-    if method is None:
-        from .defaults import default_method
-
-        return get_method(default_method(model), budget), True
-    if isinstance(method, Method) and budget is not None:
-        raise ParameterTypeError("budget= goes with a method name or spec (method='snapkv', budget=0.1); a Method "
-                                 "object carries its own (get_method('snapkv', budget=0.1))")
-    if isinstance(method, str):
-        check_budget_once(method, budget, "budget=")
-    return (get_method(method, budget) if isinstance(method, str) else method), False
-
-
 def _compressed_already(method, budget, prefill_chunk) -> None:
     """A compressed context was compressed with its own method and budget: refuse options that would
     compress it again."""
