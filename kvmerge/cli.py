@@ -143,6 +143,19 @@ def _fraction_list(text):
             _csv(str)(text)]
 
 
+def _answer_args(p) -> None:
+    """The options of an answer, `generate`'s and `ask`'s: its length, sampling and stop strings."""
+    p.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="the longest answer, in tokens")
+    p.add_argument("--temperature", type=_number(float, 0, what="a number >= 0"), default=0.0, metavar="T", help="0: greedy")
+    p.add_argument("--top-k", type=_count, default=0, metavar="K", help="sample from the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=_number(float, 0, 1, low_open=True, what="a number in (0, 1]"), default=1.0,
+                   metavar="P", help="sample from the smallest set of tokens with this probability")
+    p.add_argument("--seed", type=int, default=None, metavar="N", help="seed of the sampler (default: none, a fresh seed each "
+                   "run)")
+    p.add_argument("--stop", type=_csv(str), default=None, help="comma-separated strings that end the answer "
+                   "(default: none; the end of the model's turn ends it)")
+
+
 def _parser() -> argparse.ArgumentParser:
     fmt = _Help
     parser = _Parser(prog="kvmerge", description="KV-cache compression by merging tokens, for Hugging Face models. "
@@ -167,15 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--budget", type=_budget, default=None, metavar="B",
                      help="what the cache keeps: a fraction of the context in (0, 1] or a whole number of entries "
                      "(or a spec's budget=) (default: 0.25)")
-    gen.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="the longest answer, in tokens")
-    gen.add_argument("--temperature", type=_number(float, 0, what="a number >= 0"), default=0.0, metavar="T", help="0: greedy")
-    gen.add_argument("--top-k", type=_count, default=0, metavar="K", help="sample from the k likeliest tokens (0: all)")
-    gen.add_argument("--top-p", type=_number(float, 0, 1, low_open=True, what="a number in (0, 1]"), default=1.0,
-                     metavar="P", help="sample from the smallest set of tokens with this probability")
-    gen.add_argument("--seed", type=int, default=None, metavar="N", help="seed of the sampler (default: none, a fresh seed each "
-                     "run)")
-    gen.add_argument("--stop", type=_csv(str), default=None, help="comma-separated strings that end the answer "
-                     "(default: none; the end of the model's turn ends it)")
+    _answer_args(gen)
     gen.add_argument("--model", default=None, metavar="NAME", help=f"{model_help} (default: smollm2-135m)")
     gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     gen.add_argument("--prefill-chunk", type=_positive, default=None, metavar="N",
@@ -205,7 +210,7 @@ def _parser() -> argparse.ArgumentParser:
     ask.add_argument("file", metavar="FILE.kvz", help="a compressed context (kvmerge compress)")
     ask.add_argument("--question", action="append", required=True, metavar="TEXT",
                      help="a question (repeat for several; - reads one per line from stdin)")
-    ask.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="the longest answer, in tokens")
+    _answer_args(ask)
     ask.add_argument("--model", default=None, metavar="NAME", help=f"{model_help} (default: the model the file names)")
     ask.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
 

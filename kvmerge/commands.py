@@ -157,6 +157,20 @@ def Streamer(tok, stop: list[str] | None = None):  # noqa: N802 - builds a class
     return _Streamer(tok, skip_special_tokens=True)
 
 
+def check_sampling(args) -> None:
+    """Sampling options (`generate`, `ask`) refused where they cannot act."""
+    shaping = [o for o, on in (("--top-k", args.top_k), ("--top-p", args.top_p < 1), ("--seed", args.seed is not None))
+               if on]
+    if shaping and args.temperature == 0:
+        raise InputError(f"{', '.join(shaping)} shape sampling, and --temperature 0 decodes greedily: add --temperature "
+                         "(e.g. 0.7), or leave them out")
+
+
+def sampling(args) -> dict:
+    """The answer options as `kvmerge.generation.generate` takes them."""
+    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "stop": args.stop}
+
+
 def quiet_loading(args) -> None:
     """With --no-progress, transformers' own bars (loading the weights) stay off too."""
     if getattr(args, "no_progress", False):
@@ -209,13 +223,7 @@ def generate(args) -> int:
     text = read_text(args.context)
     if not args.question.strip():
         raise InputError("--question is empty: ask something about the context")
-    if args.stop is not None and not all(args.stop):
-        raise InputError("--stop needs non-empty strings, comma-separated")
-    shaping = [o for o, on in (("--top-k", args.top_k), ("--top-p", args.top_p < 1), ("--seed", args.seed is not None))
-               if on]
-    if shaping and args.temperature == 0:
-        raise InputError(f"{', '.join(shaping)} shape sampling, and --temperature 0 decodes greedily: add --temperature "
-                         "(e.g. 0.7), or leave them out")
+    check_sampling(args)
     model_name(args.model)
     spec = args.method if args.method is not None else _default_spec(args.model)  # None: known once loaded
     if spec is not None:
@@ -246,8 +254,7 @@ def generate(args) -> int:
         m = method(spec, args.budget, args.prefill_chunk)
         runs_here(m, args.model)
     bars = None if args.no_progress else ProgressBars(decode=not sys.stdout.isatty())
-    out = run(model, tok, text, args.question, m, args.max_new_tokens, temperature=args.temperature,
-              top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+    out = run(model, tok, text, args.question, m, args.max_new_tokens, **sampling(args),
               streamer=Streamer(tok, args.stop), prefill_chunk=args.prefill_chunk, progress=bars)
     out.stats["method"] = spec  # as the user named it, settings included
     print(f"[{out.stats}]", file=sys.stderr)

@@ -77,14 +77,16 @@ def compress(args) -> int:
 
 
 def ask(args) -> int:
+    from .commands import Streamer, check_sampling, sampling
+
     path, meta = _file(args.file)
+    check_sampling(args)
     questions = list(args.question)
     if questions == ["-"]:
         questions = [line.strip() for line in sys.stdin if line.strip()]
     if not questions or not all(q.strip() for q in questions):
         raise InputError("--question is empty: ask something (or --question - to read one question per line)")
     model, tok = _model_of(args, meta)
-    from .commands import Streamer
     from .context import load_context
     from .generation import generate
 
@@ -94,8 +96,8 @@ def ask(args) -> int:
     for q in questions:
         if len(questions) > 1:
             print(f"Q: {q}\nA: ", end="", flush=True)
-        out = generate(model, tok, ctx, q, max_new_tokens=args.max_new_tokens,
-                       streamer=Streamer(tok))
+        out = generate(model, tok, ctx, q, max_new_tokens=args.max_new_tokens, **sampling(args),
+                       streamer=Streamer(tok, args.stop))
         print(f"[{out.stats['method']}: {ctx.tokens:,} context tokens; loaded in {loaded * 1e3:.0f} ms; "
               f"answered in {out.stats['decode_seconds']:.2f} s]", file=sys.stderr)
     return 0

@@ -140,6 +140,8 @@ def test_the_commands_refuse_bad_files_before_any_model_loads(capsys, tmp_path, 
     good = ctx.save(tmp_path / "good.kvz")
     fails(capsys, ["inspect", str(good), "--png", str(tmp_path / "nodir" / "k.png")], "--png", "no folder")
     fails(capsys, ["inspect", str(good), "--html", str(tmp_path)], "--html", "is a folder")
+    fails(capsys, ["ask", str(good), "--question", "Why?", "--top-k", "5"], "--top-k", "--temperature")
+    fails(capsys, ["ask", str(good), "--question", "Why?", "--stop", ","], "--stop", "comma-separated list")
 
 
 def test_saving_and_loading_refuse_a_wrong_place_and_order_and_files_read_as_any_others(tmp_path):
@@ -203,6 +205,11 @@ def test_compress_ask_and_inspect_on_the_bundled_model(capsys, tmp_path):
     model, tok = kvmerge.load_model()
     want = kvmerge.generate(model, tok, text, "What is the code of the back door?", "snapkv", max_new_tokens=12)
     assert want.text in answered.out
+    sampled = ["--temperature", "0.8", "--top-k", "20", "--seed", "3", "--max-new-tokens", "12"]
+    assert main(["ask", str(out), "--question", "Who signs the book?", *sampled, "--stop", "."]) == 0
+    want = kvmerge.generate(model, tok, text, "Who signs the book?", "snapkv", max_new_tokens=12, temperature=0.8,
+                            top_k=20, seed=3, stop=["."])
+    assert want.text.strip() in capsys.readouterr().out and "." not in want.text
     assert main(["inspect", str(out), "--png", str(tmp_path / "k.png"), "--html", str(tmp_path / "k.html")]) == 0
     shown = capsys.readouterr().out
     assert "method snapkv at budget 0.25" in shown and "door" in shown
