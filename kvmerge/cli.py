@@ -240,20 +240,27 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("suites", help="the named benchmark suites (kvmerge eval --suite NAME)", formatter_class=fmt,
                    epilog=EPILOG)
 
-    train = sub.add_parser("train-scorer", help="fit learnedzip's scorer for a model (about 15 min on a CPU)",
+    train = sub.add_parser("train-scorer", help="fit learnedzip's scorer for a model (minutes on a CPU)",
                            formatter_class=fmt, epilog=EPILOG)
     train.add_argument("--model", default=None, help=f"{model_help} (default: smollm2-135m)")
     train.add_argument("--texts", type=_positive, default=100, help="training pieces of --length tokens")
     train.add_argument("--held", type=_positive, default=6, help="held-back pieces the agreement with KVzip is read on")
-    train.add_argument("--length", type=_positive, default=1024, help="tokens per piece")
+    train.add_argument("--length", type=_number(int, 64, what="a whole number >= 64"), default=1024,
+                       help="tokens per piece (time grows about 2.4x per doubling)")
     train.add_argument("--seed", type=int, default=0, help="the pieces' order and split")
     train.add_argument("--kind", choices=["linear", "mlp"], default="linear",
                        help="linear: ridge regression per layer; mlp: one hidden layer (learnedzip:scorer=mlp)")
-    train.add_argument("--ridge", type=float, default=1e-2, help="linear: penalty, relative to the features' mean square")
+    train.add_argument("--ridge", type=_number(float, 0, what="a number >= 0"), default=1e-2, help="linear: penalty, relative to the features' mean square")
+    train.add_argument("--target", choices=["log", "rank"], default="log",
+                       help="log: fit KVzip's log scores; rank: fit each head's order (its rank, to the 4th power), "
+                       "then map each head onto KVzip's scores by quantiles")
     train.add_argument("--hidden", type=_positive, default=64, help="mlp: hidden units per layer")
     train.add_argument("--epochs", type=_positive, default=8, help="mlp: passes over the rows")
-    train.add_argument("--out", default=None, help="weights file (default: under the cache dir, where learnedzip "
-                                                    "finds them)")
+    train.add_argument("--out", default=None, metavar="FILE.safetensors",
+                       help="weights file (default: <cache dir>/scorers/<the model's fingerprint>.safetensors, where "
+                       "learnedzip finds them; the cache dir is $KVMERGE_CACHE or ~/.cache/kvmerge; learnedzip also "
+                       "looks in the folders of $KVMERGE_SCORERS)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     ev = sub.add_parser("eval", help="accuracy / fidelity per method and budget on a task, or a named suite",
                         formatter_class=fmt, epilog=EPILOG)

@@ -51,6 +51,17 @@ def read_text(name: str, what: str = "--context") -> str:
     return text
 
 
+def writable(option: str, name: str) -> Path:
+    """The file `name` an option writes, refused before any work when it is a folder or its folder
+    does not exist."""
+    out = Path(name).expanduser()
+    if out.is_dir():
+        raise InputError(f"{option} {name} is a folder: give a file name")
+    if not out.parent.exists():
+        raise InputError(f"{option} {name}: no folder {str(out.parent)!r}")
+    return out
+
+
 def protected(spec: str) -> tuple[int, int]:
     """(sinks, window) of the method `spec` names, from the methods table (no torch)."""
     import ast
@@ -377,24 +388,43 @@ def bench(args) -> int:
 
 def train_scorer(args) -> int:
     """`kvmerge train-scorer`: fit and save the learned scorer for a model (kvmerge/train_scorer.py)."""
+    import os
     import time
 
     from tqdm import tqdm
 
+    model_name(args.model)
+    out = None
+    if args.out is not None:  # checked before the model loads
+        out = writable("--out", args.out)
+        if out.suffix != ".safetensors":
+            raise InputError(f"--out {args.out}: name the weights file NAME.safetensors (learnedzip looks for those)")
+    quiet_loading(args)
+    from .scorer import SHIPPED, Scorer
     from .train_scorer import main as train
 
-    model_name(args.model)
-    start = time.perf_counter()
-    with tqdm(total=args.texts + args.held, desc="KVzip targets", unit="piece", file=sys.stderr) as bar:
-        path = train(args.model, args.out, texts=args.texts, held=args.held, length=args.length, seed=args.seed,
-                     ridge=args.ridge, kind=args.kind, hidden=args.hidden, epochs=args.epochs,
-                     progress=lambda done, _total: bar.update(done - bar.n))
-    from .scorer import Scorer
+    start, bar = time.perf_counter(), None
+    print("loading the model and cutting the training text ...", file=sys.stderr, flush=True)
 
+    def progress(done, total):
+        nonlocal bar
+        bar = bar or tqdm(total=total, desc="KVzip targets", unit="piece", file=sys.stderr, disable=args.no_progress)
+        bar.update(done - bar.n)
+
+    try:
+        path = train(args.model, out, texts=args.texts, held=args.held, length=args.length, seed=args.seed,
+                     ridge=args.ridge, kind=args.kind, hidden=args.hidden, epochs=args.epochs, target=args.target,
+                     progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
     meta = Scorer.load(path).meta
     print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB) in {time.perf_counter() - start:.0f} s; agreement with "
           f"KVzip on {meta['held_back']} held-back pieces: top-10% {meta['top10_overlap']:.3f}, "
           f"top-25% {meta['top25_overlap']:.3f} per head")
+    folders = {Path(p).resolve() for p in os.environ.get("KVMERGE_SCORERS", "").split(os.pathsep) if p}
+    if out is not None and out.resolve().parent not in folders | {SHIPPED.resolve()}:
+        print(f"learnedzip finds it with KVMERGE_SCORERS={out.resolve().parent} in the environment", file=sys.stderr)
     return 0
 
 

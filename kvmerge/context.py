@@ -26,6 +26,7 @@ import torch
 
 from .decoding import GenerationOutput, cache_stats, decode, from_context
 from .errors import InputError, KVMergeError, ParameterTypeError, refusing
+from .files import publish
 from .layer import MergedLayer
 from .progress import bars_for
 from .prompt import check_model, check_questions, check_tokenizer, end_ids, split_prompt, validate
@@ -106,11 +107,7 @@ class CompressedContext:
         tmp = path.with_name(path.name + ".part")
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp),
                   metadata={"format": FORMAT, "version": str(VERSION), "meta": json.dumps(meta)})
-        tmp.replace(path)
-        umask = os.umask(0)
-        os.umask(umask)
-        path.chmod(0o666 & ~umask)  # as any file the user writes (the writer's temporary file is private)
-        return path
+        return publish(tmp, path)
 
     @property
     def nbytes(self) -> int:

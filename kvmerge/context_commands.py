@@ -21,17 +21,6 @@ def _file(name: str) -> tuple[Path, dict]:
     return path, json.loads(check_file(path)["meta"])
 
 
-def _writable(option: str, name: str) -> Path:
-    """The file `name` an option writes, refused before any work when it is a folder or its folder
-    does not exist."""
-    out = Path(name).expanduser()
-    if out.is_dir():
-        raise InputError(f"{option} {name} is a folder: give a file name")
-    if not out.parent.exists():
-        raise InputError(f"{option} {name}: no folder {str(out.parent)!r}")
-    return out
-
-
 def _model_of(args, meta: dict | None = None):
     """The model to load: --model, else the one the file names when it is a bundled name or a folder."""
     from .commands import device, model_name
@@ -51,10 +40,10 @@ def _model_of(args, meta: dict | None = None):
 
 
 def compress(args) -> int:
-    from .commands import check_budget_given, method, quiet_loading, read_text, runs_here
+    from .commands import check_budget_given, method, quiet_loading, read_text, runs_here, writable
 
     text = read_text(args.context)
-    out = _writable("--out", args.out)
+    out = writable("--out", args.out)
     if args.method is not None:  # checked before the model loads
         check_budget_given(args.method, args.budget)
         runs_here(method(args.method, args.budget, args.prefill_chunk), args.model)
@@ -104,10 +93,12 @@ def ask(args) -> int:
 
 
 def inspect(args) -> int:
+    from .commands import writable
+
     path, meta = _file(args.file)
     for option, name in (("--png", args.png), ("--html", args.html)):
         if name is not None:
-            _writable(option, name)
+            writable(option, name)
     model, tok = _model_of(args, meta)
     from . import context_view
     from .context import load_context

@@ -32,9 +32,12 @@ def default_method(model_or_config, runtime: str = "transformers") -> str:
     """The default method's spec for a model (a transformers model or its config): see the module's
     docstring. `runtime`: "transformers" (also chunked) or "vllm". Without weights, logs one warning
     line (once per model) naming `kvmerge train-scorer --model ...`."""
-    from .scorer import fingerprint, locate
+    from .scorer import TRAINING_TIME, fingerprint, locate
+    from .sliding import sliding_only
 
     config = getattr(model_or_config, "config", model_or_config)
+    if sliding_only(config):  # nothing to compress or train for: the session says so, naming `full`
+        return FALLBACK
     if locate(config) is not None:
         if runtime == "vllm":
             return VLLM
@@ -44,7 +47,7 @@ def default_method(model_or_config, runtime: str = "transformers") -> str:
         _told.add(key)
         name = getattr(config, "name_or_path", "") or "PATH"
         logger.warning(f"kvmerge: no learned-scorer weights for this model (fingerprint {key}), so the default method "
-                       f"is {FALLBACK}; `kvmerge train-scorer --model {name}` fits them (about 15 minutes on a CPU), "
+                       f"is {FALLBACK}; `kvmerge train-scorer --model {name}` fits them ({TRAINING_TIME}), "
                        f"then the default is {LEARNED}")
     return FALLBACK
 

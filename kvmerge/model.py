@@ -233,6 +233,9 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
 def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype | None = None,
                device: str | torch.device | None = None):
     """Return `(model, tokenizer)`, checked for kvmerge, in eval mode on `device`.
@@ -266,6 +269,9 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype
         model, tok = _load_gguf(path, dtype)
     else:
         source = path if local else str(name_or_path)
+        if local and not any((path / f).exists() for f in TOKENIZER_FILES):
+            raise InputError(f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)}): save the model's "
+                             f"tokenizer beside its weights, tokenizer.save_pretrained({str(path)!r})")
         tok = AutoTokenizer.from_pretrained(source, local_files_only=local)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local)
     model.to(device).eval()

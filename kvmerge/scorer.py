@@ -58,10 +58,28 @@ class Scorer:
     model: str
     meta: dict
 
+    calibration: tuple[torch.Tensor, torch.Tensor] | None = None  # (xs, ys) `(layers, h, K)`: see `calibrated`
+
     def predict(self, layer: int, queries, keys, values) -> torch.Tensor:
         """Pre-RoPE queries `(b, hq, n, d)`, keys, values `(b, h, n, d)` of compressed layer `layer` →
         predicted log KVzip scores `(b, h, n)`, at most 0 (a probability's log)."""
-        return self.from_features(layer, features(queries, keys, values)).clamp_max(0.0).transpose(1, 2)
+        raw = self.from_features(layer, features(queries, keys, values))
+        return self.calibrated(layer, raw).clamp_max(0.0).transpose(1, 2)
+
+    def calibrated(self, layer: int, p: torch.Tensor) -> torch.Tensor:
+        """The model's outputs `(..., h)` → log KVzip scores. Without `calibration` they are the log scores
+        (a model fitted on them); with it (a model fitted on each head's rank), each head's output goes
+        through a monotone piecewise-linear map from its K output quantiles `xs` to KVzip's log-score
+        quantiles `ys`: the order within a head is the model's, the scale across heads and layers KVzip's
+        (what a global allocation compares). Below the lowest quantile: the lowest score."""
+        if self.calibration is None:
+            return p
+        xs, ys = (t[layer].to(p.device, torch.float32) for t in self.calibration)  # (h, K)
+        flat = p.reshape(-1, p.shape[-1]).T.contiguous()  # (h, N)
+        i = torch.searchsorted(xs.contiguous(), flat).clamp(1, xs.shape[-1] - 1)
+        x0, x1, y0, y1 = (t.gather(-1, j) for t, j in ((xs, i - 1), (xs, i), (ys, i - 1), (ys, i)))
+        out = y0 + (flat - x0).clamp_min(0) * (y1 - y0) / (x1 - x0).clamp_min(1e-6)
+        return out.T.reshape(p.shape)
 
     def save(self, path: Path) -> None:
         """Write the weights to `path` whole: into a temporary file beside it, then renamed over it, so
@@ -70,13 +88,18 @@ class Scorer:
 
         from safetensors.torch import save_file
 
+        from .files import publish
+
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         try:
-            save_file({k: v.contiguous() for k, v in self.tensors().items()}, str(tmp),
+            tensors = self.tensors()
+            if self.calibration is not None:
+                tensors.update({"calibration.x": self.calibration[0], "calibration.y": self.calibration[1]})
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
                       metadata={"model": self.model, "kind": self.kind, "meta": json.dumps(self.meta)})
-            os.replace(tmp, path)
+            publish(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -98,8 +121,14 @@ class Scorer:
                              "not a file this kvmerge wrote; train them again with `kvmerge train-scorer`")
         try:
             extra = json.loads(meta.get("meta", "{}"))
+            calibration = tuple(tensors.pop(f"calibration.{k}") for k in "xy" if f"calibration.{k}" in tensors)
             scorer = KINDS[kind].from_tensors(tensors, meta["model"], extra)
-            scorer.shape()
+            layers, _, heads = scorer.shape()
+            if calibration:
+                if len(calibration) != 2 or any(t.shape[:2] != (layers, heads) for t in calibration):
+                    raise ValueError(f"calibration of shapes {[tuple(t.shape) for t in calibration]}, expected two "
+                                     f"({layers}, {heads}, K)")
+                scorer.calibration = calibration
         except (KeyError, IndexError, ValueError, TypeError, RuntimeError) as e:
             raise InputError(f"scorer weights {path} are incomplete or corrupt ({type(e).__name__}: {one_line(e)}): "
                              "delete them and train them again with `kvmerge train-scorer --model <the model>`") from None
@@ -234,6 +263,9 @@ def _read(path: Path, tensors: bool = True) -> tuple[dict, dict]:
     return meta, out
 
 
+TRAINING_TIME = "4–8 minutes for the bundled models on 2 CPU cores, more in proportion to a model's prefill"
+
+
 def trained_path(config, kind: str = "linear") -> Path:
     """Where `kvmerge train-scorer` writes a model's weights: `<cache dir>/scorers/<fingerprint>.safetensors`
     (`<fingerprint>-mlp.safetensors` for an MLP)."""
@@ -255,7 +287,7 @@ def find(config, kind: str = "linear") -> Scorer:
         key, name = fingerprint(config), _model_name(config)
         flag = "" if kind == "linear" else f" --kind {kind}"
         raise InputError(f"no learned {kind} scorer for this model ({name}, fingerprint {key}): train one with "
-                         f"`kvmerge train-scorer --model <the model's name or path>{flag}` (about 15 minutes on a CPU)")
+                         f"`kvmerge train-scorer --model {name}{flag}` ({TRAINING_TIME})")
     return Scorer.load(path, config)
 
 

@@ -98,6 +98,14 @@ def layer_windows(config) -> list[int | None]:
     return windows
 
 
+def sliding_only(config) -> bool:
+    """Whether every layer of the model with `config` attends in a sliding window (no layer to compress)."""
+    try:
+        return all(w is not None for w in layer_windows(config))
+    except ValueError:  # a layer type kvmerge refuses anyway, with its own message
+        return False
+
+
 def sliding_layers(layers: list, method, lengths: list[int]) -> list[SlidingLayer]:
     """The sliding layers among `layers` that `method.sliding` trims for rows of these `lengths`, or a
     ValueError naming why it cannot apply."""

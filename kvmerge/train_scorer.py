@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import InputError
 from .scorer import LinearScorer, MLPScorer, Scorer, features, fingerprint, trained_path, unrotate
 
 PERL_PODS = ("/usr/share/perl", "/usr/lib/x86_64-linux-gnu/perl")
@@ -142,22 +143,85 @@ def overlap(predicted: torch.Tensor, true: torch.Tensor, fraction: float) -> flo
     return float(hits.float().mean())
 
 
+MIN_LENGTH = 64  # tokens a piece needs beyond the sinks and the recent window to judge the agreement on
+
+
+def check_trainable(model, opening: int, length: int) -> None:
+    """Refuse (`InputError`) what training cannot run on: a model with no layer to compress (sliding
+    windows only), pieces too short to judge, or longer than the model's positions."""
+    from .model import max_positions
+    from .sliding import sliding_only
+
+    if sliding_only(model.config):
+        raise InputError("this model has sliding-window layers only: its cache is already bounded by the window and "
+                         "has no full-attention layer to compress, so there is no scorer to train")
+    if length < MIN_LENGTH:
+        raise InputError(f"pieces of {length} tokens are too short to train on: --length {MIN_LENGTH} at least")
+    positions = max_positions(model)
+    if positions is not None and opening + length > positions:
+        raise InputError(f"pieces of {length} tokens (after {opening} of the chat opening) are beyond the model's "
+                         f"{positions:,} positions: --length {positions - opening} at most")
+
+
+TARGETS = ("log", "rank")
+RANK_POWER, LEVELS, CALIBRATION_ROWS = 4, 65, 64
+
+
+def fitted_target(y: torch.Tensor, target: str) -> torch.Tensor:
+    """Log KVzip scores `(n, h)` of one piece → what the scorer is fitted to: the scores themselves
+    ("log"), or each head's rank quantile over the piece to the 4th power ("rank": 0 to 1, its spread
+    at the top, where a cut is made; the scale across pieces and heads left out)."""
+    if target == "log":
+        return y
+    return (y.argsort(0).argsort(0).float() / max(1, len(y) - 1)) ** RANK_POWER
+
+
+def calibration(scorer: Scorer, sample: list[tuple[list, list]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per layer and head, `LEVELS` quantiles of the scorer's outputs and of KVzip's log scores on the
+    sampled rows (features, log scores) of each layer → (xs, ys) `(layers, h, LEVELS)` (`Scorer.calibrated`)."""
+    levels = torch.linspace(0, 1, LEVELS)
+    xs, ys = [], []
+    for i, (x, y) in enumerate(sample):
+        p = scorer.from_features(i, torch.cat(x).float())
+        xs.append(torch.quantile(p, levels, dim=0).T)
+        ys.append(torch.quantile(torch.cat(y), levels, dim=0).T)
+    return torch.stack(xs).contiguous(), torch.stack(ys).contiguous()
+
+
 def train(model, tokenizer, texts: int = 100, held: int = 6, length: int = 1024, seed: int = 0, ridge: float = 1e-2,
-          kind: str = "linear", hidden: int = 64, epochs: int = 8, rows_per_text: int = 512, progress=None) -> Scorer:
+          kind: str = "linear", hidden: int = 64, epochs: int = 8, rows_per_text: int = 512, target: str = "log",
+          progress=None) -> Scorer:
     """Fit the scorer of `kind` on `texts` pieces of `length` tokens (an MLP on `rows_per_text` random
-    tokens of each); report its agreement with KVzip on `held` other pieces (`meta`: top-10% and
-    top-25% overlap per head, away from the sinks and the last 32)."""
+    tokens of each) to `target` (`fitted_target`; "rank" adds a calibration from `CALIBRATION_ROWS`
+    random tokens of each piece); report its agreement with KVzip on `held` other pieces (`meta`: top-10%
+    and top-25% overlap per head, away from the sinks and the last 32)."""
     if kind not in ("linear", "mlp"):
         raise ValueError(f"scorer kind must be 'linear' or 'mlp', got {kind!r}")
+    if target not in TARGETS:
+        raise ValueError(f"the scorer's target must be one of {', '.join(TARGETS)}, got {target!r}")
+    if not ridge >= 0:
+        raise InputError(f"the ridge penalty must be >= 0, got {ridge}")
     sinks, window = 4, 32
     head = _opening(tokenizer)
+    check_trainable(model, len(head), length)
     chosen = pieces(tokenizer, corpus(), length, seed)
     if len(chosen) < texts + held:
-        raise ValueError(f"only {len(chosen)} pieces of {length} tokens in the training text, {texts + held} needed")
+        raise InputError(f"only {len(chosen)} pieces of {length} tokens in the training text, {texts + held} needed: "
+                         "lower --length, --texts or --held")
+    if progress is not None:
+        progress(0, texts + held)
     sums, kept, start = None, None, time.perf_counter()
+    sample = None
     g = torch.Generator().manual_seed(seed)
     for j, ids in enumerate(chosen[:texts]):
-        rows = examples(model, tokenizer, head + ids)
+        logs = examples(model, tokenizer, head + ids)
+        rows = [(x, fitted_target(y, target)) for x, y in logs]
+        if target != "log":
+            pick = sinks + torch.randperm(logs[0][0].shape[0] - sinks, generator=g)[:CALIBRATION_ROWS]
+            sample = sample or [([], []) for _ in logs]
+            for (xs, ys), (x, y) in zip(sample, logs):
+                xs.append(x[pick].half())
+                ys.append(y[pick])
         if kind == "mlp":
             pick = sinks + torch.randperm(rows[0][0].shape[0] - sinks, generator=g)[:rows_per_text]
             kept = kept or [([], []) for _ in rows]
@@ -179,11 +243,13 @@ def train(model, tokenizer, texts: int = 100, held: int = 6, length: int = 1024,
         scorer = MLPScorer(fit_mlp([(torch.cat(xs), torch.cat(ys)) for xs, ys in kept], hidden, epochs, seed), key, {})
     else:
         scorer = LinearScorer(fit(sums, ridge), key, {})
+    if sample is not None:
+        scorer.calibration = calibration(scorer, sample)
     agreement = {0.1: [], 0.25: []}
     with torch.no_grad():
         for j, ids in enumerate(chosen[texts:texts + held]):
             rows = examples(model, tokenizer, head + ids)
-            x = torch.stack([scorer.from_features(i, x) for i, (x, _) in enumerate(rows)])
+            x = torch.stack([scorer.calibrated(i, scorer.from_features(i, x)) for i, (x, _) in enumerate(rows)])
             y = torch.stack([y for _, y in rows])
             cut = slice(len(head) + sinks, x.shape[1] - window)
             for fraction in agreement:
@@ -191,6 +257,7 @@ def train(model, tokenizer, texts: int = 100, held: int = 6, length: int = 1024,
             if progress is not None:
                 progress(texts + j + 1, texts + held)
     fitted = {"ridge": ridge} if kind == "linear" else {"hidden": hidden, "epochs": epochs, "rows_per_text": rows_per_text}
+    fitted["target"] = target
     scorer.meta = {"model_name": getattr(model.config, "name_or_path", "") or model.config.model_type, "texts": texts, "held_back": held, "length": length, "seed": seed, **fitted,
                    "tokens": texts * (len(head) + length), "seconds": round(time.perf_counter() - start, 1),
                    "top10_overlap": round(sum(agreement[0.1]) / held, 4),
@@ -199,11 +266,25 @@ def train(model, tokenizer, texts: int = 100, held: int = 6, length: int = 1024,
 
 
 def main(model_name: str | None, out: str | None = None, **kwargs) -> Path:
-    """Train the scorer for a model and save it (`trained_path`, or `out`); returns the path."""
+    """Train the scorer for a model and save it (`trained_path`, or `out`); returns the path. Weights
+    there trained for another model of the same fingerprint (the same shapes: another checkpoint of
+    one architecture) are replaced, saying so in one line."""
+    import logging
+
     from .model import load_model
+    from .scorer import Scorer
 
     model, tokenizer = load_model(model_name)
     scorer = train(model, tokenizer, **kwargs)
     path = Path(out) if out else trained_path(model.config, scorer.kind)
+    if path.exists():
+        try:
+            before = Scorer.load(path).meta.get("model_name")
+        except InputError:
+            before = None
+        if before and before != scorer.meta["model_name"]:
+            logging.getLogger("kvmerge").warning(
+                f"kvmerge: replaced {path}, trained for {before}, a model of the same shapes (fingerprint "
+                f"{scorer.model}): weights are found by a model's shapes, not by its checkpoint")
     scorer.save(path)
     return path

@@ -147,3 +147,10 @@ def test_the_default_that_reads_sentence_ends_is_refused_without_a_tokenizer_in_
         kvmerge.answer_questions_ids(no_weights(), ctx, [[3, 4]])
     full = kvmerge.generate_ids(no_weights(), ctx, [3, 4], "full", max_new_tokens=2)  # a name works too
     assert full.stats["method"] == "full"
+
+
+def test_a_model_with_sliding_window_layers_only_is_not_sent_to_train(caplog):
+    """Nothing to compress or train there: the fallback is named by the session's own refusal, and no
+    line advises `kvmerge train-scorer`."""
+    every = tiny_model(sliding_window=16, layer_types=["sliding_attention", "sliding_attention"])
+    assert default_method(every) == "mixedmerge" and told(caplog) == []

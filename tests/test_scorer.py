@@ -254,3 +254,68 @@ def test_saving_weights_leaves_nothing_half_written(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         _weights_for(model, seed=2).save(path)
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
+
+
+def test_calibration_keeps_each_heads_order_maps_quantiles_and_round_trips(tmp_path):
+    """A rank-fitted scorer's outputs go through a monotone map per layer and head: each head's order is
+    unchanged, its output quantiles land on KVzip's, and the map is saved with the weights."""
+    import os
+
+    g = torch.Generator().manual_seed(3)
+    scorer = LinearScorer([torch.randn(129, 2, generator=g) * 0.1 for _ in range(2)], "abc", {})
+    levels = torch.linspace(0, 1, 5)
+    xs = torch.stack([torch.stack([levels, levels * 2]) for _ in range(2)])  # (2 layers, 2 heads, 5)
+    ys = torch.stack([torch.stack([levels * 10 - 20, levels * 3 - 5]) for _ in range(2)])
+    scorer.calibration = (xs, ys)
+    p = torch.tensor([[0.0, 0.0], [0.5, 1.0], [1.0, 2.0], [0.3, 1.5], [-1.0, -1.0]])  # (n, h)
+    out = scorer.calibrated(1, p)
+    torch.testing.assert_close(out[:3], torch.tensor([[-20.0, -5.0], [-15.0, -3.5], [-10.0, -2.0]]))
+    assert out[4].tolist() == [-20.0, -5.0]  # below the lowest quantile: the lowest score
+    for h in range(2):  # monotone: the head's order is the model's
+        assert torch.equal(out[:4, h].argsort(), p[:4, h].argsort())
+    scorer.save(tmp_path / "c.safetensors")
+    back = Scorer.load(tmp_path / "c.safetensors")
+    assert torch.equal(back.calibration[0], xs) and torch.equal(back.calibration[1], ys)
+    q, k, v = torch.randn(1, 4, 10, 16, generator=g), torch.randn(1, 2, 10, 16, generator=g), torch.randn(1, 2, 10, 16)
+    torch.testing.assert_close(back.predict(0, q, k, v), scorer.predict(0, q, k, v))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "c.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # as any file the user writes
+
+
+def test_rank_target_is_each_heads_order_to_the_fourth_power():
+    from kvmerge.train_scorer import fitted_target
+
+    y = torch.tensor([[-3.0, 0.0], [-1.0, -2.0], [-2.0, -1.0]])
+    assert fitted_target(y, "log") is y
+    torch.testing.assert_close(fitted_target(y, "rank"), torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0625, 0.0625]]))
+
+
+def test_train_to_ranks_calibrates_onto_kvzips_scores(monkeypatch):
+    import kvmerge.train_scorer as ts
+
+    monkeypatch.setattr(ts, "corpus", lambda: ["".join(chr(97 + (7 * i + j) % 26) for i in range(400)) for j in range(6)])
+    scorer = ts.train(tiny_model(), TinyTokenizer(), texts=3, held=1, length=96, kind="mlp", hidden=4, epochs=2,
+                      rows_per_text=32, target="rank")
+    xs, ys = scorer.calibration
+    assert scorer.meta["target"] == "rank" and xs.shape == ys.shape == (2, 2, ts.LEVELS)
+    assert bool((xs.diff(dim=-1) >= 0).all()) and bool((ys.diff(dim=-1) >= 0).all()) and bool((ys <= 0).all())
+
+
+def test_training_refuses_what_it_cannot_train_on_before_any_piece(monkeypatch):
+    import kvmerge.train_scorer as ts
+    from kvmerge.errors import InputError
+
+    monkeypatch.setattr(ts, "examples", lambda *a: pytest.fail("a piece ran"))
+    with pytest.raises(InputError, match="too short to train on: --length 64 at least"):
+        ts.train(tiny_model(), TinyTokenizer(), length=40)
+    with pytest.raises(InputError, match="beyond the model's 4,096 positions: --length 4096 at most"):
+        ts.train(tiny_model(), TinyTokenizer(), length=5000)
+    with pytest.raises(InputError, match="ridge penalty must be >= 0"):
+        ts.train(tiny_model(), TinyTokenizer(), ridge=-1)
+    monkeypatch.setattr(ts, "corpus", lambda: ["abcdefghij" * 40])
+    with pytest.raises(InputError, match="only 4 pieces of 96 tokens .* 106 needed: lower --length, --texts or --held"):
+        ts.train(tiny_model(), TinyTokenizer(), length=96)
+    every = tiny_model(sliding_window=16, layer_types=["sliding_attention", "sliding_attention"])
+    with pytest.raises(InputError, match="sliding-window layers only.*no scorer to train"):
+        ts.train(every, TinyTokenizer())

@@ -53,3 +53,33 @@ def test_a_third_architecture_trains_its_scorer_and_uses_it_by_default(folder, t
     assert main(argv) == 0
     out = "".join(capsys.readouterr()) + caplog.text
     assert "[learnedzip at budget 0.25" in out and "no learned-scorer weights" not in out
+
+
+def test_a_folder_without_a_tokenizer_is_refused_naming_how_to_save_one(folder, tmp_path):
+    import shutil
+
+    import kvmerge
+    from kvmerge.errors import InputError
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(folder / name, bare / name)
+    with pytest.raises(InputError, match=r"no tokenizer in .*bare .*tokenizer\.save_pretrained"):
+        kvmerge.load_model(bare)
+
+
+def test_training_again_for_a_model_of_the_same_shapes_says_what_it_replaces(folder, tmp_path, monkeypatch, caplog):
+    import shutil
+
+    import kvmerge.train_scorer as ts
+
+    monkeypatch.setenv("KVMERGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(ts, "corpus", lambda: [" ".join(f"box {i} holds {i * 37 % 101}." for i in range(300))])
+    twin = tmp_path / "twin"
+    shutil.copytree(folder, twin)
+    small = {"texts": 2, "held": 1, "length": 64}
+    first = ts.main(str(folder), **small)
+    assert "replaced" not in caplog.text
+    assert ts.main(str(twin), **small) == first
+    assert f"replaced {first}, trained for {folder}, a model of the same shapes" in caplog.text

@@ -1,0 +1,17 @@
+"""Files kvmerge writes whole: written beside their place, then renamed over it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def publish(tmp: Path, path: Path) -> Path:
+    """Rename the finished `tmp` over `path` (a reader sees the old file or the whole new one, never
+    half of one), with the permissions the user's umask gives any new file (a temporary file may be
+    private)."""
+    Path(tmp).replace(path)
+    umask = os.umask(0)
+    os.umask(umask)
+    Path(path).chmod(0o666 & ~umask)
+    return Path(path)
