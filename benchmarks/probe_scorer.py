@@ -18,11 +18,19 @@ KV head; extras cost O(P·n·d) per head, P probes):
 * `ngram`: per token, how often its token and its n-grams occur in the context (`ngrams`);
 * `all`: the four together; `a+b`: any two.
 
+`--target` is what is fitted: `log`, KVzip's log scores; `clip:Q`, each head's log scores in each
+piece floored at their Q-quantile (the fit spends nothing on the order below the cut's region);
+`rank`, each head's rank quantile in its piece (0 to 1; per-head order only, no scale across heads);
+`pow:K`, that quantile to the power K; `normal`, it through the normal's inverse CDF.
+Judged against the log scores either way.
+
 `--kind mlp` fits one hidden layer of GELUs per layer (as `kvmerge train-scorer --kind mlp`) on the
 same rows instead of the ridge.
 
 Printed: top-10% and top-25% overlap with KVzip per head (mean over layers and heads) and over all
-layers and heads at once (what `alloc=head` ranks), away from the first 4 and last 32 tokens."""
+layers and heads at once (what `alloc=head` ranks), away from the first 4 and last 32 tokens; the
+last also after mapping each head's predictions onto KVzip's log-score quantiles (65, from 12 of the
+training pieces; R35's map), which leaves each head's order as it is."""
 
 import argparse
 import time
@@ -110,6 +118,22 @@ def extras(name, q, k, probes, cos, sin, ids):
     return torch.cat([parts[p]().reshape(n, -1) for p in names], -1) if names else k.new_zeros(n, 0)
 
 
+def target(y, how):
+    """Log scores `(n, h)` → what is fitted (`--target`), per head over this piece's tokens."""
+    if how == "log":
+        return y
+    if how == "rank":
+        return y.argsort(0).argsort(0).float() / (len(y) - 1)
+    if how == "normal":  # the rank quantile through the normal's inverse CDF
+        u = (y.argsort(0).argsort(0).float() + 0.5) / len(y)
+        return torch.special.ndtri(u)
+    if how.startswith("pow:"):
+        return (y.argsort(0).argsort(0).float() / (len(y) - 1)) ** float(how[4:])
+    if how.startswith("clip:"):
+        return torch.maximum(y, y[SINKS:].quantile(float(how[5:]), dim=0))
+    raise ValueError(f"unknown target {how!r}")
+
+
 def rows(path, name, shape, probes, rotary):
     hq, h, d = shape
     blob = torch.load(path)
@@ -131,6 +155,14 @@ def predict(x, w):
     return hidden @ w["w2"] + w["b2"]
 
 
+def mapped(p, xs, ys):
+    """Predictions `(L, h, n)` → mapped per layer and head onto KVzip's log-score quantiles: piecewise
+    linear from the prediction's quantiles `xs` `(L, h, K)` to the scores' `ys` (a monotone map)."""
+    i = torch.searchsorted(xs.contiguous(), p.contiguous()).clamp(1, xs.shape[-1] - 1)
+    x0, x1, y0, y1 = (t.gather(-1, j) for t, j in ((xs, i - 1), (xs, i), (ys, i - 1), (ys, i)))
+    return y0 + (p - x0).clamp(min=0) * (y1 - y0) / (x1 - x0).clamp_min(1e-6)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("model")
@@ -143,6 +175,7 @@ def main():
                     help="ridge, or one hidden layer of GELUs (as `train-scorer --kind mlp`)")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--targets", default="log", help="comma list of log, clip:Q, rank")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = kvmerge.load_model(args.model)
@@ -155,13 +188,13 @@ def main():
     held = sorted(folder.glob("held*.pt"))
     print(f"{args.model}: {len(train)} train pieces, {len(held)} held, {args.probes} probes, "
           + (f"MLP of {args.hidden}, {args.epochs} epochs" if args.kind == "mlp" else f"ridge {args.ridge}"))
-    print("| features | extra columns | top-10% per head | top-25% per head | top-10% all heads | time s |")
-    print("|---|---|---|---|---|---|")
-    for name in args.sets.split(","):
+    print("| features | target | extra columns | top-10% per head | top-25% per head | top-10% all heads | the same, mapped | time s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, how in [(n, t) for n in args.sets.split(",") for t in args.targets.split(",")]:
         start = time.perf_counter()
         if args.kind == "mlp":  # every training row in memory, per layer
             parts = [rows(path, name, shape, args.probes, rotary) for path in train]
-            layers = [(torch.cat([p[i][0] for p in parts]), torch.cat([p[i][1] for p in parts]))
+            layers = [(torch.cat([p[i][0] for p in parts]), torch.cat([target(p[i][1], how) for p in parts]))
                       for i in range(len(parts[0]))]
             width = layers[0][0].shape[1]
             weights = fit_mlp(layers, args.hidden, args.epochs, seed=0)
@@ -169,10 +202,19 @@ def main():
         else:
             sums = None
             for path in train:
-                part = [(x.T.double() @ x.double(), x.T.double() @ y.double()) for x, y in rows(path, name, shape, args.probes, rotary)]
+                part = [(x.T.double() @ x.double(), x.T.double() @ target(y, how).double()) for x, y in rows(path, name, shape, args.probes, rotary)]
                 sums = part if sums is None else [(a + p, b + r) for (a, b), (p, r) in zip(sums, part)]
             weights, width = fit(sums, args.ridge), sums[0][0].shape[0]
-        o10, o25, og = [], [], []
+        o10, o25, og, oc = [], [], [], []
+        levels = torch.linspace(0, 1, 65)
+        fitted = [[], []]  # the training pieces' predictions and log scores, per layer `(h, n')`
+        for path in train[:12]:
+            for i, ((x, y), w) in enumerate(zip(rows(path, name, shape, args.probes, rotary), weights)):
+                for j, v in enumerate((predict(x, w), y)):
+                    if len(fitted[j]) <= i:
+                        fitted[j].append([])
+                    fitted[j][i].append(v[SINKS:-WINDOW].T)
+        qs = [torch.stack([torch.quantile(torch.cat(v, 1), levels, dim=1).T for v in f]) for f in fitted]  # (L, h, 65)
         for path in held:
             pred, true = [], []
             for (x, y), w in zip(rows(path, name, shape, args.probes, rotary), weights):
@@ -182,9 +224,10 @@ def main():
             o10.append(overlap(p, t, 0.10))
             o25.append(overlap(p, t, 0.25))
             og.append(overlap(p.reshape(1, -1), t.reshape(1, -1), 0.10))
+            oc.append(overlap(mapped(p, *qs).reshape(1, -1), t.reshape(1, -1), 0.10))
         extra = width - 1 - c.num_attention_heads * d - 2 * shape[1] * d
         mean = lambda v: sum(v) / len(v)  # noqa: E731
-        print(f"| {name} | {extra} | {mean(o10):.3f} | {mean(o25):.3f} | {mean(og):.3f} | "
+        print(f"| {name} | {how} | {extra} | {mean(o10):.3f} | {mean(o25):.3f} | {mean(og):.3f} | {mean(oc):.3f} | "
               f"{time.perf_counter() - start:.0f} |", flush=True)
 
 
