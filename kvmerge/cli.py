@@ -268,8 +268,10 @@ def _parser() -> argparse.ArgumentParser:
                     "the other options then do not apply, except --models and --out")
     ev.add_argument("--models", type=_csv(str), default=None, help="with --suite: only these of its models")
     ev.add_argument("--task", choices=TASKS, default="niah", help="the task")
-    ev.add_argument("--methods", type=_csv(str), default=["full", "streamingllm", "snapkv", "semanticache",
-                                                           "centroidkv"], help="method specs, comma-separated")
+    ev.add_argument("--methods", type=_csv(str), default=["full", "streamingllm", "snapkv", "default", "semanticache",
+                                                           "centroidkv"],
+                    help="method specs, comma-separated; the word default names the model's default method (default: "
+                    "full,streamingllm,snapkv,default,semanticache,centroidkv)")
     ev.add_argument("--budgets", type=_fraction_list, default=[0.5, 0.25], help="fractions kept, comma-separated")
     ev.add_argument("--lengths", type=_csv(_positive), default=[1024, 2048], help="context tokens, comma-separated")
     ev.add_argument("--samples", type=_positive, default=3, help="samples per length (per RULER subtask)")
@@ -286,8 +288,9 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="decode speed, compression cost and memory against the full cache",
                            formatter_class=fmt, epilog=EPILOG)
-    bench.add_argument("--methods", type=_csv(str), default=["streamingllm", "centroidkv", "semanticache"],
-                       help="method specs, comma-separated")
+    bench.add_argument("--methods", type=_csv(str), default=["default", "streamingllm", "centroidkv", "semanticache"],
+                       help="method specs, comma-separated; the word default names the model's default method "
+                       "(default: default,streamingllm,centroidkv,semanticache)")
     bench.add_argument("--budget", type=_budget, default=0.25, help="a fraction, or a whole number of entries")
     bench.add_argument("--lengths", type=_csv(_positive), default=[1024, 2048, 4096, 8192], help="context tokens")
     bench.add_argument("--batches", type=_csv(_positive), default=[1, 4, 8], help="batch sizes")

@@ -292,6 +292,21 @@ def _default_spec(name) -> str | None:
     return default_method(config)
 
 
+def with_default(specs: list[str], model) -> list[str]:
+    """`specs` with the word "default" replaced by the model's default method (`model`: a loaded model,
+    or a name whose config can be read without loading it; None: not known yet, "default" is dropped)."""
+    if "default" not in specs:
+        return specs
+    if model is None or isinstance(model, str):
+        model = _default_spec(model)
+    else:
+        from .defaults import default_method
+
+        model = default_method(model)
+    resolved = [model if s == "default" else s for s in specs]
+    return [s for i, s in enumerate(resolved) if s is not None and s not in resolved[:i]]
+
+
 def methods(args) -> int:
     from . import catalog
 
@@ -332,7 +347,7 @@ def eval(args) -> int:  # noqa: A001 - the command's name
                                  f"{', '.join(genres)}) nor a file")
             read_text(args.text, "--text")
     _check_subtasks(args.task, args.subtasks)
-    for spec in args.methods:
+    for spec in with_default(args.methods, args.model):
         m = method(spec, args.budgets[0], args.prefill_chunk)
         runs_here(m, args.model)
     from .model import DEFAULT_MODEL, load_model, max_positions
@@ -341,11 +356,14 @@ def eval(args) -> int:  # noqa: A001 - the command's name
     name = runner.model_label(args.model or DEFAULT_MODEL)  # a cut-off last line or another model's rows: refused before loading
     runner.rows_of_model(Path(args.out) / f"{args.task}.jsonl", name)
     model, tok = load_model(args.model)
+    specs = with_default(args.methods, model)
+    for spec in specs:
+        method(spec, args.budgets[0], args.prefill_chunk)
     limit = max_positions(model)
     if limit and max(args.lengths) > limit:
         raise InputError(f"--lengths {max(args.lengths)}: {args.model or DEFAULT_MODEL} has {limit:,} positions: ask "
                          f"for fewer tokens (a question and its answer follow most tasks' contexts)")
-    runner.run(args.task, model, tok, args.methods, args.budgets, args.lengths, args.samples, args.out,
+    runner.run(args.task, model, tok, specs, args.budgets, args.lengths, args.samples, args.out,
                args.protocol, args.text, args.limit, args.subtasks, args.prefill_chunk, model_name=name)
     print(report.report(args.out, plots=False))
     return 0
@@ -353,18 +371,22 @@ def eval(args) -> int:  # noqa: A001 - the command's name
 
 def bench(args) -> int:
     model_name(args.model)
-    for spec in args.methods:
+    for spec in with_default(args.methods, args.model):
         method(spec, args.budget)
     if args.memory:
         memory = _eval("memory")
         print(memory.HEADER)
-        memory.table(args.model, args.methods[0], args.budget, args.lengths, args.prefill_chunk or 1024)
+        specs = with_default(args.methods, args.model) or ["mixedmerge"]
+        memory.table(args.model, specs[0], args.budget, args.lengths, args.prefill_chunk or 1024)
         return 0
     from .model import load_model
 
     b = _eval("bench")
     model, tok = load_model(args.model)
-    rows, profiles = b.run_bench(model, args.methods, args.budget, args.lengths, args.batches, args.steps,
+    specs = with_default(args.methods, model)
+    for spec in specs:
+        method(spec, args.budget)
+    rows, profiles = b.run_bench(model, specs, args.budget, args.lengths, args.batches, args.steps,
                                  args.out, tok, args.prefill_chunk)
     cols = ["length", "batch", "method", "ms_per_step", "tokens_per_s", "speedup", "cache_vs_full",
             "compress_vs_prefill", "peak_extra_mb", "floor_ms", "vs_floor", "kernel_floor_ms", "vs_kernel_floor"]

@@ -367,3 +367,17 @@ def test_the_streamed_answer_starts_at_its_first_visible_character_and_ends_befo
         streamer.on_finalized_text(piece)
     streamer.on_finalized_text(pieces[-1], stream_end=True)
     assert capsys.readouterr().out == shown
+
+
+def test_the_word_default_in_a_method_list_names_the_models_default_method():
+    from kvmerge.commands import with_default
+    from kvmerge.defaults import default_method
+
+    from .conftest import tiny_model
+    from .test_defaults import no_weights
+
+    assert with_default(["full", "default", "snapkv"], tiny_model()) == ["full", "learnedzip", "snapkv"]
+    assert with_default(["default", "mixedmerge"], no_weights()) == ["mixedmerge"]  # once, not twice
+    assert with_default(["full", "snapkv"], None) == ["full", "snapkv"]
+    assert default_method(tiny_model()) == "learnedzip"
+    assert "default" not in with_default(["default"], "no-such-folder")  # not known before loading: left out
