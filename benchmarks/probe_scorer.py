@@ -175,7 +175,7 @@ def main():
                     help="ridge, or one hidden layer of GELUs (as `train-scorer --kind mlp`)")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=8)
-    ap.add_argument("--targets", default="log", help="comma list of log, clip:Q, rank")
+    ap.add_argument("--targets", default="log", help="comma list of log, clip:Q, rank, pow:K, normal")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = kvmerge.load_model(args.model)

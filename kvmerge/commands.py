@@ -293,18 +293,18 @@ def _default_spec(name) -> str | None:
 
 
 def with_default(specs: list[str], model) -> list[str]:
-    """`specs` with the word "default" replaced by the model's default method (`model`: a loaded model,
-    or a name whose config can be read without loading it; None: not known yet, "default" is dropped)."""
-    if "default" not in specs:
-        return specs
-    if model is None or isinstance(model, str):
-        model = _default_spec(model)
-    else:
-        from .defaults import default_method
+    """`specs` with the word "default" replaced by the model's default method, each spec once. `model`:
+    a loaded model, or a name (None: the bundled default model) whose config is read without loading
+    it where it can be; where it cannot, "default" is left out until the model loads."""
+    if "default" in specs:
+        if model is None or isinstance(model, str):
+            model = _default_spec(model)
+        else:
+            from .defaults import default_method
 
-        model = default_method(model)
-    resolved = [model if s == "default" else s for s in specs]
-    return [s for i, s in enumerate(resolved) if s is not None and s not in resolved[:i]]
+            model = default_method(model)
+        specs = [model if s == "default" else s for s in specs]
+    return [s for i, s in enumerate(specs) if s is not None and s not in specs[:i]]
 
 
 def methods(args) -> int:
@@ -376,8 +376,15 @@ def bench(args) -> int:
     if args.memory:
         memory = _eval("memory")
         print(memory.HEADER)
-        specs = with_default(args.methods, args.model) or ["mixedmerge"]
-        memory.table(args.model, specs[0], args.budget, args.lengths, args.prefill_chunk or 1024)
+        first = args.methods[0]
+        if first == "default":
+            first = _default_spec(args.model)
+            if first is None:  # known once the model loads
+                from .model import load_model
+
+                first = with_default(["default"], load_model(args.model)[0])[0]
+        print(f"method: {first}")
+        memory.table(args.model, first, args.budget, args.lengths, args.prefill_chunk or 1024)
         return 0
     from .model import load_model
 

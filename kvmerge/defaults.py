@@ -7,7 +7,9 @@ without a method, and the vLLM plugin without a "method" setting compress with (
 and Gemma-3); on a model with sliding-window layers with the sliding share, `learnedzip:sliding=0.75`,
 as its held-out results were measured (docs/results.md, suite `generalise-test`); in vLLM
 `learnedzip:alloc=uniform` (one entry count for every layer and head there). Without weights,
-`mixedmerge`, and one logged line (once per model and process) names the command that fits them.
+`mixedmerge`, and one logged line (once per model and process) names the command that fits them. A
+model whose every layer attends in a sliding window (Mistral-7B-v0.1's config, Phi-3-mini's) has
+nothing to compress or train: `mixedmerge`, unannounced, which the session refuses naming `full`.
 
 Imports nothing heavy at module level: the command line reads `RULE` before torch loads.
 """

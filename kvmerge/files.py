@@ -9,7 +9,8 @@ from pathlib import Path
 def publish(tmp: Path, path: Path) -> Path:
     """Rename the finished `tmp` over `path` (a reader sees the old file or the whole new one, never
     half of one), with the permissions the user's umask gives any new file (a temporary file may be
-    private)."""
+    private; a file replaced gets them too). Not for threads: it reads the process's umask by
+    setting it."""
     Path(tmp).replace(path)
     umask = os.umask(0)
     os.umask(umask)

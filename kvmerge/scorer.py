@@ -71,7 +71,8 @@ class Scorer:
         (a model fitted on them); with it (a model fitted on each head's rank), each head's output goes
         through a monotone piecewise-linear map from its K output quantiles `xs` to KVzip's log-score
         quantiles `ys`: the order within a head is the model's, the scale across heads and layers KVzip's
-        (what a global allocation compares). Below the lowest quantile: the lowest score."""
+        (what a global allocation compares). Below the lowest quantile the lowest score, above the highest
+        the highest."""
         if self.calibration is None:
             return p
         xs, ys = (t[layer].to(p.device, torch.float32) for t in self.calibration)  # (h, K)
@@ -79,7 +80,7 @@ class Scorer:
         i = torch.searchsorted(xs.contiguous(), flat).clamp(1, xs.shape[-1] - 1)
         x0, x1, y0, y1 = (t.gather(-1, j) for t, j in ((xs, i - 1), (xs, i), (ys, i - 1), (ys, i)))
         out = y0 + (flat - x0).clamp_min(0) * (y1 - y0) / (x1 - x0).clamp_min(1e-6)
-        return out.T.reshape(p.shape)
+        return torch.minimum(out, ys[:, -1:]).T.reshape(p.shape)
 
     def save(self, path: Path) -> None:
         """Write the weights to `path` whole: into a temporary file beside it, then renamed over it, so
@@ -125,7 +126,8 @@ class Scorer:
             scorer = KINDS[kind].from_tensors(tensors, meta["model"], extra)
             layers, _, heads = scorer.shape()
             if calibration:
-                if len(calibration) != 2 or any(t.shape[:2] != (layers, heads) for t in calibration):
+                if len(calibration) != 2 or calibration[0].shape != calibration[1].shape \
+                        or calibration[0].ndim != 3 or calibration[0].shape[:2] != (layers, heads):
                     raise ValueError(f"calibration of shapes {[tuple(t.shape) for t in calibration]}, expected two "
                                      f"({layers}, {heads}, K)")
                 scorer.calibration = calibration
@@ -242,9 +244,10 @@ def _describe(name: str | None, key: str, shape: tuple[int, int, int]) -> str:
             f"to {heads} KV heads")
 
 
-def _read(path: Path, tensors: bool = True) -> tuple[dict, dict]:
+def _read(path: Path, tensors: bool = True, anonymous: bool = False) -> tuple[dict, dict]:
     """(metadata, tensors) of the safetensors file `path` (no tensors read unless `tensors`); an
-    `InputError` naming the file when it is missing, truncated or corrupt, or names no model."""
+    `InputError` naming the file when it is missing, truncated or corrupt, or names no model (with
+    `anonymous`, such a file's metadata is returned as it is)."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -257,7 +260,7 @@ def _read(path: Path, tensors: bool = True) -> tuple[dict, dict]:
         reason = one_line(e).removeprefix("Error while deserializing header: ")
         raise InputError(f"scorer weights {path} are truncated or corrupt, not a whole safetensors file ({reason}): "
                          "delete the file and train them again with `kvmerge train-scorer --model <the model>`") from None
-    if "model" not in meta:
+    if "model" not in meta and not anonymous:
         raise InputError(f"scorer weights {path} name no model in their metadata: not a file `kvmerge train-scorer` "
                          "wrote")
     return meta, out
@@ -308,7 +311,7 @@ def locate(config, kind: str = "linear") -> Path | None:
         return own
     folders = [Path(p) for p in os.environ.get("KVMERGE_SCORERS", "").split(os.pathsep) if p] + [SHIPPED]
     for path in (p for folder in folders for p in sorted(folder.glob("*.safetensors"))):
-        meta, _ = _read(path, tensors=False)  # the metadata only: is it this model's, of this kind?
+        meta, _ = _read(path, tensors=False, anonymous=True)  # is it this model's, of this kind? (others' files: no)
         if meta.get("model") == key and meta.get("kind", "linear") == kind:
             return path
     return None

@@ -143,7 +143,13 @@ def overlap(predicted: torch.Tensor, true: torch.Tensor, fraction: float) -> flo
     return float(hits.float().mean())
 
 
-MIN_LENGTH = 64  # tokens a piece needs beyond the sinks and the recent window to judge the agreement on
+MIN_LENGTH = 64  # tokens a piece needs: 28 of them judged, beyond the 4 sinks and the recent 32
+KVZIP_CHUNK, KVZIP_PROMPT = 2048, 64  # KVzip repeats at most a chunk of the piece after it, after its prompt
+
+
+def positions_needed(opening: int, length: int) -> int:
+    """Positions a piece's KVzip targets run at: the opening, the piece, KVzip's prompt and repeat."""
+    return opening + length + KVZIP_PROMPT + min(length, KVZIP_CHUNK)
 
 
 def check_trainable(model, opening: int, length: int) -> None:
@@ -158,9 +164,11 @@ def check_trainable(model, opening: int, length: int) -> None:
     if length < MIN_LENGTH:
         raise InputError(f"pieces of {length} tokens are too short to train on: --length {MIN_LENGTH} at least")
     positions = max_positions(model)
-    if positions is not None and opening + length > positions:
-        raise InputError(f"pieces of {length} tokens (after {opening} of the chat opening) are beyond the model's "
-                         f"{positions:,} positions: --length {positions - opening} at most")
+    if positions is not None and positions_needed(opening, length) > positions:
+        fits = [n for n in range(MIN_LENGTH, positions, 64) if positions_needed(opening, n) <= positions]
+        raise InputError(f"pieces of {length} tokens need {positions_needed(opening, length):,} positions (the chat "
+                         f"opening's {opening}, the piece, then KVzip's prompt and its repeat of the piece), beyond the "
+                         f"model's {positions:,}" + (f": --length {fits[-1]} at most" if fits else ""))
 
 
 TARGETS = ("log", "rank")
@@ -216,8 +224,9 @@ def train(model, tokenizer, texts: int = 100, held: int = 6, length: int = 1024,
     for j, ids in enumerate(chosen[:texts]):
         logs = examples(model, tokenizer, head + ids)
         rows = [(x, fitted_target(y, target)) for x, y in logs]
-        if target != "log":
-            pick = sinks + torch.randperm(logs[0][0].shape[0] - sinks, generator=g)[:CALIBRATION_ROWS]
+        if target != "log":  # judged tokens only: not the opening, the sinks or the recent window
+            first = len(head) + sinks
+            pick = first + torch.randperm(logs[0][0].shape[0] - first - window, generator=g)[:CALIBRATION_ROWS]
             sample = sample or [([], []) for _ in logs]
             for (xs, ys), (x, y) in zip(sample, logs):
                 xs.append(x[pick].half())
@@ -265,6 +274,11 @@ def train(model, tokenizer, texts: int = 100, held: int = 6, length: int = 1024,
     return scorer
 
 
+def _same(name: str) -> str:
+    """A model's name as compared: a folder's resolved path, else the name."""
+    return str(Path(name).expanduser().resolve()) if Path(name).expanduser().exists() else name
+
+
 def main(model_name: str | None, out: str | None = None, **kwargs) -> Path:
     """Train the scorer for a model and save it (`trained_path`, or `out`); returns the path. Weights
     there trained for another model of the same fingerprint (the same shapes: another checkpoint of
@@ -282,7 +296,7 @@ def main(model_name: str | None, out: str | None = None, **kwargs) -> Path:
             before = Scorer.load(path).meta.get("model_name")
         except InputError:
             before = None
-        if before and before != scorer.meta["model_name"]:
+        if before and _same(before) != _same(scorer.meta["model_name"]):
             logging.getLogger("kvmerge").warning(
                 f"kvmerge: replaced {path}, trained for {before}, a model of the same shapes (fingerprint "
                 f"{scorer.model}): weights are found by a model's shapes, not by its checkpoint")

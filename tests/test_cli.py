@@ -378,6 +378,6 @@ def test_the_word_default_in_a_method_list_names_the_models_default_method():
 
     assert with_default(["full", "default", "snapkv"], tiny_model()) == ["full", "learnedzip", "snapkv"]
     assert with_default(["default", "mixedmerge"], no_weights()) == ["mixedmerge"]  # once, not twice
-    assert with_default(["full", "snapkv"], None) == ["full", "snapkv"]
+    assert with_default(["full", "snapkv", "snapkv"], "no-such-folder") == ["full", "snapkv"]
+    assert with_default(["default", "snapkv"], "no-such-folder") == ["snapkv"]  # known once the model loads
     assert default_method(tiny_model()) == "learnedzip"
-    assert "default" not in with_default(["default"], "no-such-folder")  # not known before loading: left out

@@ -271,6 +271,7 @@ def test_calibration_keeps_each_heads_order_maps_quantiles_and_round_trips(tmp_p
     out = scorer.calibrated(1, p)
     torch.testing.assert_close(out[:3], torch.tensor([[-20.0, -5.0], [-15.0, -3.5], [-10.0, -2.0]]))
     assert out[4].tolist() == [-20.0, -5.0]  # below the lowest quantile: the lowest score
+    assert scorer.calibrated(1, torch.tensor([[9.0, 9.0]])).tolist() == [[-10.0, -2.0]]  # above: the highest
     for h in range(2):  # monotone: the head's order is the model's
         assert torch.equal(out[:4, h].argsort(), p[:4, h].argsort())
     scorer.save(tmp_path / "c.safetensors")
@@ -309,7 +310,7 @@ def test_training_refuses_what_it_cannot_train_on_before_any_piece(monkeypatch):
     monkeypatch.setattr(ts, "examples", lambda *a: pytest.fail("a piece ran"))
     with pytest.raises(InputError, match="too short to train on: --length 64 at least"):
         ts.train(tiny_model(), TinyTokenizer(), length=40)
-    with pytest.raises(InputError, match="beyond the model's 4,096 positions: --length 4096 at most"):
+    with pytest.raises(InputError, match="need 7,112 positions .* beyond the model's 4,096: --length 1984 at most"):
         ts.train(tiny_model(), TinyTokenizer(), length=5000)
     with pytest.raises(InputError, match="ridge penalty must be >= 0"):
         ts.train(tiny_model(), TinyTokenizer(), ridge=-1)
@@ -319,3 +320,19 @@ def test_training_refuses_what_it_cannot_train_on_before_any_piece(monkeypatch):
     every = tiny_model(sliding_window=16, layer_types=["sliding_attention", "sliding_attention"])
     with pytest.raises(InputError, match="sliding-window layers only.*no scorer to train"):
         ts.train(every, TinyTokenizer())
+
+
+def test_other_programs_safetensors_in_a_scorer_folder_are_passed_over(tmp_path, monkeypatch):
+    """A folder of `$KVMERGE_SCORERS` may hold a model's own weights (model.safetensors): finding the
+    scorer passes over files that name no model, and still finds the one that does."""
+    from safetensors.torch import save_file
+
+    from kvmerge.scorer import locate
+
+    model = tiny_model(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    monkeypatch.setenv("KVMERGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVMERGE_SCORERS", str(tmp_path))
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "a-model.safetensors"))
+    assert locate(model.config) is None
+    _weights_for(model).save(tmp_path / "z.safetensors")
+    assert locate(model.config) == tmp_path / "z.safetensors"
