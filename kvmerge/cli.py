@@ -340,10 +340,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    from . import commands, context_commands
+    from . import commands, context_commands, eval_commands
 
     name = args.command.replace("-", "_")
-    return getattr(context_commands if name in context_commands.COMMANDS else commands, name)(args)
+    module = next((m for m in (context_commands, eval_commands) if name in m.COMMANDS), commands)
+    return getattr(module, name)(args)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def default_method(model_or_config, runtime: str = "transformers") -> str:
     docstring. `runtime`: "transformers" (also chunked) or "vllm". Without weights, logs one warning
     line (once per model) naming `kvmerge train-scorer --model ...`."""
     from .scorer import TRAINING_TIME, fingerprint, locate
-    from .sliding import sliding_only
+    from .sliding import sliding_layer_count, sliding_only
 
     config = getattr(model_or_config, "config", model_or_config)
     if sliding_only(config):  # nothing to compress or train for: the session says so, naming `full`
@@ -43,7 +43,7 @@ def default_method(model_or_config, runtime: str = "transformers") -> str:
     if locate(config) is not None:
         if runtime == "vllm":
             return VLLM
-        return SLIDING if _has_sliding_layers(config) else LEARNED
+        return SLIDING if sliding_layer_count(config) else LEARNED
     key = fingerprint(config)
     if key not in _told:
         _told.add(key)
@@ -52,15 +52,6 @@ def default_method(model_or_config, runtime: str = "transformers") -> str:
                        f"is {FALLBACK}; `kvmerge train-scorer --model {name}` fits them ({TRAINING_TIME}), "
                        f"then the default is {LEARNED}")
     return FALLBACK
-
-
-def _has_sliding_layers(config) -> bool:
-    from .sliding import layer_windows
-
-    try:
-        return any(w is not None for w in layer_windows(config))
-    except ValueError:  # a layer type kvmerge refuses anyway, with its own message
-        return False
 
 
 def resolve(model, method, budget=None):

@@ -98,12 +98,19 @@ def layer_windows(config) -> list[int | None]:
     return windows
 
 
+def sliding_layer_count(config) -> int:
+    """How many layers of the model with `config` attend in a sliding window (0 for a layer type
+    kvmerge refuses anyway, with its own message elsewhere)."""
+    try:
+        return sum(w is not None for w in layer_windows(config))
+    except ValueError:
+        return 0
+
+
 def sliding_only(config) -> bool:
     """Whether every layer of the model with `config` attends in a sliding window (no layer to compress)."""
-    try:
-        return all(w is not None for w in layer_windows(config))
-    except ValueError:  # a layer type kvmerge refuses anyway, with its own message
-        return False
+    layers = config.get_text_config(decoder=True).num_hidden_layers
+    return sliding_layer_count(config) == layers > 0
 
 
 def sliding_layers(layers: list, method, lengths: list[int]) -> list[SlidingLayer]:

@@ -370,7 +370,7 @@ def test_the_streamed_answer_starts_at_its_first_visible_character_and_ends_befo
 
 
 def test_the_word_default_in_a_method_list_names_the_models_default_method():
-    from kvmerge.commands import with_default
+    from kvmerge.eval_commands import with_default
     from kvmerge.defaults import default_method
 
     from .conftest import tiny_model
