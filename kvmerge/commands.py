@@ -1,7 +1,7 @@
 """What `kvmerge generate`, `methods`, `demo` and `train-scorer` run, and the checks every command
 shares (`kvmerge.cli` parses the arguments; `context_commands` and `eval_commands` hold the others).
-Each command checks what it can without the model first (files, model name, method specs, budgets, what a runtime refuses), so a
-mistake costs a second, not a model load and a prefill."""
+Each command checks what it can without the model first (files, model name, method specs, budgets,
+what a runtime refuses), so a mistake costs a second, not a model load and a prefill."""
 
 from __future__ import annotations
 
