@@ -285,7 +285,6 @@ def demo(args) -> int:
 
 def train_scorer(args) -> int:
     """`kvmerge train-scorer`: fit and save the learned scorer for a model (kvmerge/train_scorer.py)."""
-    import os
     import time
 
     from tqdm import tqdm
@@ -297,7 +296,7 @@ def train_scorer(args) -> int:
         if out.suffix != ".safetensors":
             raise InputError(f"--out {args.out}: name the weights file NAME.safetensors (learnedzip looks for those)")
     quiet_loading(args)
-    from .scorer import SHIPPED, Scorer
+    from .scorer import Scorer, search_folders
     from .train_scorer import main as train
 
     start, bar = time.perf_counter(), None
@@ -319,8 +318,7 @@ def train_scorer(args) -> int:
     print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB) in {time.perf_counter() - start:.0f} s; agreement with "
           f"KVzip on {meta['held_back']} held-back pieces: top-10% {meta['top10_overlap']:.3f}, "
           f"top-25% {meta['top25_overlap']:.3f} per head")
-    folders = {Path(p).resolve() for p in os.environ.get("KVMERGE_SCORERS", "").split(os.pathsep) if p}
-    if out is not None and out.resolve().parent not in folders | {SHIPPED.resolve()}:
+    if out is not None and out.resolve().parent not in {f.resolve() for f in search_folders()}:
         print(f"learnedzip finds it with KVMERGE_SCORERS={out.resolve().parent} in the environment", file=sys.stderr)
     return 0
 

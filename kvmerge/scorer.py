@@ -294,11 +294,18 @@ def find(config, kind: str = "linear") -> Scorer:
     return Scorer.load(path, config)
 
 
+def search_folders() -> list[Path]:
+    """The folders `find` reads beyond `trained_path`: those of `$KVMERGE_SCORERS` (os.pathsep-separated),
+    then the shipped weights'."""
+    import os
+
+    return [Path(p) for p in os.environ.get("KVMERGE_SCORERS", "").split(os.pathsep) if p] + [SHIPPED]
+
+
 def locate(config, kind: str = "linear") -> Path | None:
     """The weights file `find` would load for the model with `config` (None: there is none). Reads
     metadata only; a corrupt file among the candidates is refused naming it, as is a file at
     `trained_path` made for another model."""
-    import os
 
     key = fingerprint(config)
     own = trained_path(config, kind)
@@ -309,8 +316,7 @@ def locate(config, kind: str = "linear") -> Path | None:
             raise InputError(f"scorer weights {own} are a {meta.get('kind', 'linear')} scorer, not {kind}: "
                              f"train them again with `kvmerge train-scorer --kind {kind}`")
         return own
-    folders = [Path(p) for p in os.environ.get("KVMERGE_SCORERS", "").split(os.pathsep) if p] + [SHIPPED]
-    for path in (p for folder in folders for p in sorted(folder.glob("*.safetensors"))):
+    for path in (p for folder in search_folders() for p in sorted(folder.glob("*.safetensors"))):
         meta, _ = _read(path, tensors=False, anonymous=True)  # is it this model's, of this kind? (others' files: no)
         if meta.get("model") == key and meta.get("kind", "linear") == kind:
             return path
