@@ -55,8 +55,11 @@ def test_load_with_aborts_answers_as_alone_and_leaks_no_block(served):
     after = wait_idle(base, log, plugin=True, since=mark)
     # A stream closed (or a client timing out) before vLLM's API server has handed the request to the engine
     # is stopped on the client only: the engine never held it, so the scheduler sees at most `stopped` aborts.
+    # A stream closed after a content chunk was held by the engine with tokens still to come (ignore_eos: 48
+    # tokens; this workload's close@k stops at chunk 19), so the scheduler sees at least those, whatever the timing.
+    held = sum(o.error == "closed" and o.chunks >= 1 for o in aborted)
     seen = after["aborted"] - before["aborted"]
-    assert ABORTS - 2 <= seen <= stopped, (seen, [o.__dict__ for o in aborted])
+    assert held >= 2 and held <= seen <= stopped, (held, seen, [o.__dict__ for o in aborted])
     assert sum(after["abort_points"].values()) == seen and after["abort_points"]["decoding"] >= 1, after
     assert after["blocks_held"] == 0 and after["free_blocks"] == POOL - 1  # every block back in the pool
     assert after["kv_cache_usage_perc"] == 0 and after["running"] == 0 and after["waiting"] == 0
