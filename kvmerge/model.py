@@ -194,12 +194,25 @@ def _load_gguf(path: Path, dtype):
 
 def _convert_once(name: str) -> Path:
     """The bundled model `name` as a float32 safetensors folder under the cache directory, made once
-    from its GGUF (an assembled GGUF is removed afterwards)."""
-    import torch
+    from its GGUF (an assembled GGUF is removed afterwards). Processes loading it at the same time take
+    turns on a lock file: the first converts, the others wait and load its folder."""
+    from filelock import FileLock
 
     target = cache_dir() / name
     if (target / "model.safetensors").exists():
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.with_name(target.name + ".lock"))):
+        if not (target / "model.safetensors").exists():
+            _convert(name, target)
+    return target
+
+
+def _convert(name: str, target: Path) -> None:
+    import shutil
+
+    import torch
+
     gguf = _bundled_gguf(name)
     model, tok = _load_gguf(gguf, torch.float32)
     model.hf_quantizer = None
@@ -208,12 +221,13 @@ def _convert_once(name: str) -> Path:
         del model.config.quantization_config
     model.is_quantized = False
     tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # a conversion stopped half-way
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)  # a folder without its weights
     tmp.rename(target)
     if gguf.parent == cache_dir():
-        gguf.unlink()
-    return target
+        gguf.unlink(missing_ok=True)
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:

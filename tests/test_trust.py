@@ -3,6 +3,7 @@ answers many questions correctly; stats read as one line; progress is reported o
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -254,6 +255,40 @@ def test_model_names_are_checked_before_anything_loads(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(InputError, match="not in the local Hugging Face cache and HF_HUB_OFFLINE is set"):
         kvmerge.load_model("nobody/no-such-model")
+
+
+def test_processes_loading_a_bundled_model_at_once_convert_it_once(monkeypatch, tmp_path):
+    """The first load converts the GGUF; loads started meanwhile wait on the lock and read its folder, and
+    a folder left half-written by a stopped conversion is replaced."""
+    import threading
+    import time
+
+    from kvmerge import model as m
+
+    class Saved:  # what _load_gguf returns, reduced to save_pretrained
+        def __init__(self, file):
+            self.file, self.config = file, type("Config", (), {})()
+
+        def save_pretrained(self, folder):
+            Path(folder).mkdir(exist_ok=True)
+            time.sleep(0.2)
+            (Path(folder) / self.file).write_text("x")
+
+    converted = []
+    monkeypatch.setenv("KVMERGE_CACHE", str(tmp_path))
+    monkeypatch.setattr(m, "_bundled_gguf", lambda name: Path("/bundled/model.gguf"))
+    monkeypatch.setattr(m, "_load_gguf", lambda gguf, dtype: converted.append(1) or (Saved("model.safetensors"), Saved("tokenizer.json")))
+    (tmp_path / "smollm2-135m.tmp").mkdir()
+    (tmp_path / "smollm2-135m.tmp" / "stale").write_text("half")
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(m._convert_once("smollm2-135m"))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert converted == [1] and out == [tmp_path / "smollm2-135m"] * 3
+    assert sorted(f.name for f in out[0].iterdir()) == ["model.safetensors", "tokenizer.json"]
+    assert not (tmp_path / "smollm2-135m.tmp").exists()
 
 
 @pytest.mark.parametrize("spec, problem", [("snapkv:kernel=4", "kernel must be an odd"), ("snapkv:kernel=0", "kernel must be an odd"),
