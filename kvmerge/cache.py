@@ -9,6 +9,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .attention import attention_active
+from .errors import InputError
 from .layer import MergedLayer
 from .sliding import SlidingLayer, layer_windows
 
@@ -32,6 +33,7 @@ class MergedCache(Cache):
         super().__init__(layers=[MergedLayer() if w is None else SlidingLayer(w) for w in windows])
         self.next_log_n: torch.Tensor | None = None
         self.listener: Callable[[int, torch.Tensor], None] | None = None
+        self.block_ended = False  # set when the `kvmerge.compressing` block that made this cache ends
 
     @property
     def compressible(self) -> list[int]:
@@ -44,8 +46,12 @@ class MergedCache(Cache):
         reach kvmerge's attention through it."""
         layer = self.layers[layer_idx]
         kwargs = {} if kwargs is None else kwargs
+        if layer_idx == 0 and not attention_active() and self.block_ended:
+            raise InputError("this cache's `with kvmerge.compressing(...)` block has ended, and the model's own "
+                             "attention cannot read its merged entries: call model.generate(..., cache=cache) inside "
+                             "that block")
         if layer_idx == 0 and not attention_active() and any(x.ragged for x in self.layers):
-            raise ValueError("this cache stores the KV heads of some layers at different lengths (global per-head "
+            raise InputError("this cache stores the KV heads of some layers at different lengths (global per-head "
                              "allocation), which only kvmerge's attention reads: run the model inside "
                              "kvmerge.kvmerge_attention(model)")
         with torch.profiler.record_function("kvmerge::cache_append"):

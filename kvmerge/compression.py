@@ -10,7 +10,7 @@ non-kvmerge cache (what `generate` creates) gets a fresh compressed session inst
 policies run on every one-token step. A cache from `kv.prefill` answers many questions: each
 `model.generate(..., cache=cache)` inside the block starts from the compressed context again (what
 the previous call appended is dropped), so its input must start with that context. The model is as
-before once the block ends.
+before once the block ends, and a cache the block made is refused by it (a `KVMergeError`).
 """
 
 from __future__ import annotations
@@ -74,6 +74,11 @@ class Compressor:
                                  "ids (compress with keep_ids=True), or answer with kvmerge.generate")
             if context.model is not self.model:
                 raise InputError("this compressed context belongs to another model object than the one compressing")
+            made = context.meta["method"].split(":")[0]
+            if context.session.method.name != self.method.name:
+                raise InputError(f"this compressed context was compressed with {made} and answers with it, not with "
+                                 f"this block's {self.method.name}: open kvmerge.compressing(model, "
+                                 f"{context.meta['method']!r}) for it")
         session = context.rewind()
         self._sessions[id(session.cache)] = session
         self._contexts[id(session.cache)] = ([list(context.context_ids)], context._snapshot)
@@ -192,6 +197,8 @@ def compressing(model, method: Method | str | None = None, tokenizer=None, **par
         finally:
             pre.remove()
             post.remove()
+            for session in compressor._sessions.values():
+                session.cache.block_ended = True
             if own is None:
                 del model.generate
             else:

@@ -25,20 +25,14 @@ from pathlib import Path
 import torch
 
 from .decoding import GenerationOutput, cache_stats, decode, from_context
-from .errors import InputError, KVMergeError, ParameterTypeError, refusing
-from .files import publish
-from .layer import MergedLayer
+from .errors import InputError, ParameterTypeError, refusing
+from .context_file import ContextFileError, check_file, ids_hash, layer_in, layer_out, read, state_in, state_out, write
 from .progress import bars_for
 from .prompt import check_model, check_questions, check_tokenizer, end_ids, split_prompt, validate
 from .session import Session
 from .sliding import SlidingLayer
 
-FORMAT, VERSION = "kvmerge-context", 1
 PLACEHOLDER = "x"  # the context text a question's ids are cut after (they do not depend on it)
-
-
-class ContextFileError(KVMergeError, ValueError):
-    """A compressed-context file that cannot be used here (corrupt, newer, another model...)."""
 
 
 @dataclass
@@ -83,31 +77,20 @@ class CompressedContext:
         return self.session
 
     def save(self, path) -> Path:
-        """Write the file (safetensors; written whole to a temporary name, then renamed)."""
-        from safetensors.torch import save_file
-
+        """Write the file (safetensors with a checksum; written whole to a temporary name, then renamed)."""
         self.rewind()
-        tensors, layers = {}, []
-        for i, layer in enumerate(self.session.cache.layers):
-            layers.append(_layer_out(layer, f"l{i}.", tensors))
+        tensors = {}
+        layers = [layer_out(layer, f"l{i}.", tensors) for i, layer in enumerate(self.session.cache.layers)]
         policy = self.session.method.needs.decode_policy  # else scratch is compression-time state only
-        states = [_state_out(state, f"s{i}.", tensors, policy) for i, state in enumerate(self.session.states)]
+        states = [state_out(state, f"s{i}.", tensors, policy) for i, state in enumerate(self.session.states)]
         for name in ("seen", "plain", "captured"):
             tensors[name] = getattr(self.session, name)
         if self.context_ids is not None:
             tensors["context_ids"] = torch.tensor(self.context_ids, dtype=torch.int64)
             for i, pos in enumerate(self.kept or []):
                 tensors[f"kept.{i}"] = pos.to(torch.int32)
-        meta = {**self.meta, "layers": layers, "states": states}
-        path = Path(path)
         with refusing():
-            if path.is_dir() or not path.parent.is_dir():
-                raise InputError(f"cannot save to {path}: " + ("it is a folder" if path.is_dir() else
-                                                             f"no folder {str(path.parent)!r}"))
-        tmp = path.with_name(path.name + ".part")
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"format": FORMAT, "version": str(VERSION), "meta": json.dumps(meta)})
-        return publish(tmp, path)
+            return write(path, tensors, {**self.meta, "layers": layers, "states": states})
 
     @property
     def nbytes(self) -> int:
@@ -232,7 +215,7 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
         getattr(report, "close", lambda: None)()
     dtype = session.cache.layers[0].keys.dtype
     meta = {"model": fingerprint(model.config), "model_name": str(getattr(model.config, "name_or_path", "")),
-            "tokenizer": tokenizer_hash(tokenizer), "ids_hash": _ids_hash(ids), "tokens": len(ids),
+            "tokenizer": tokenizer_hash(tokenizer), "ids_hash": ids_hash(ids), "tokens": len(ids),
             "method": spec, "budget": method.budget, "chat_template": chat,
             "dtype": str(dtype).removeprefix("torch."), "full_bytes": stock_cache_bytes(model.config, dtype, len(ids)),
             "timings": session.timings}
@@ -241,11 +224,9 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
 
 def load_context(path, model, tokenizer) -> CompressedContext:
     """A context saved by `CompressedContext.save`, for `model` and `tokenizer`: refused in one line
-    (a `KVMergeError`) before any forward when the file is not one, is cut off or corrupt, is of a
-    newer format, or was made for another model or tokenizer; its tensors go to the model's device,
-    converted to the model's dtype where that loses nothing."""
-    from safetensors import SafetensorError, safe_open
-
+    (a `KVMergeError`) before any forward when the file is not one, is cut off, damaged (its checksum,
+    shapes or ids) or of a newer format, or was made for another model or tokenizer; its tensors go to
+    the model's device, converted to the model's dtype where that loses nothing."""
     from .methods import get_method
     from .scorer import fingerprint
 
@@ -255,17 +236,11 @@ def load_context(path, model, tokenizer) -> CompressedContext:
                                      f"{type(path).__name__}")
         check_model(model, "load_context(path, model, tokenizer)")
         path = Path(path)
-        head = check_file(path)
-        try:
-            with safe_open(str(path), "pt") as f:
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise ContextFileError(f"{path} is cut off or corrupt (not a whole safetensors file: {e})") from None
-        meta = json.loads(head["meta"])
+        tensors, meta = read(path, check_file(path))
         if meta["model"] != fingerprint(model.config):
             here = getattr(model.config, "name_or_path", "") or "this model"
-            raise ContextFileError(f"{path} was made for another model ({meta['model_name'] or 'unnamed'}, fingerprint "
-                                   f"{meta['model']}), not {here} (fingerprint {fingerprint(model.config)})")
+            raise ContextFileError(f"{path} was made for another model ({_name(meta.get('model_name'))}, fingerprint "
+                                   f"{meta['model']}), not {_name(here)} (fingerprint {fingerprint(model.config)})")
         if meta["tokenizer"] != tokenizer_hash(tokenizer):
             raise ContextFileError(f"{path} was made with another tokenizer (hash {meta['tokenizer']}, this one's "
                                    f"{tokenizer_hash(tokenizer)}): load the model's own tokenizer")
@@ -278,12 +253,15 @@ def load_context(path, model, tokenizer) -> CompressedContext:
         session = Session(model, 1, get_method(meta["method"], budget=meta["budget"]), tokenizer)
         if len(session.cache.layers) != len(meta["layers"]):
             raise ContextFileError(f"{path} has {len(meta['layers'])} layers, the model {len(session.cache.layers)}")
-    tensors = {k: v.to(device, dtype) if v.is_floating_point() and k.rsplit(".", 1)[-1] in ("keys", "values")
-               else v.to(device) for k, v in tensors.items()}
-    for i, (layer, m) in enumerate(zip(session.cache.layers, meta.pop("layers"))):
-        _layer_in(layer, m, f"l{i}.", tensors, device)
-    for i, (state, m) in enumerate(zip(session.states, meta.pop("states"))):
-        _state_in(state, m, f"s{i}.", tensors)
+        tensors = {k: v.to(device, dtype) if v.is_floating_point() and k.rsplit(".", 1)[-1] in ("keys", "values")
+                   else v.to(device) for k, v in tensors.items()}
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        shape = (config.num_key_value_heads,
+                 getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        for i, (layer, m) in enumerate(zip(session.cache.layers, meta.pop("layers"))):
+            layer_in(layer, m, f"l{i}.", tensors, device, shape, path)
+        for i, (state, m) in enumerate(zip(session.states, meta.pop("states"))):
+            state_in(state, m, f"s{i}.", tensors)
     session.seen, session.plain, session.captured = (tensors[k].cpu() for k in ("seen", "plain", "captured"))
     ids = tensors["context_ids"].tolist() if "context_ids" in tensors else None
     kept = [tensors[f"kept.{i}"].long().cpu() for i in range(len(session.cache.compressible))] \
@@ -291,30 +269,9 @@ def load_context(path, model, tokenizer) -> CompressedContext:
     return CompressedContext(session, tokenizer, meta, ids, kept)
 
 
-def check_file(path) -> dict:
-    """The metadata of a compressed-context file, read without its tensors; a `ContextFileError` when
-    it is missing, not a whole safetensors file, not a kvmerge context or of a newer format."""
-    from safetensors import SafetensorError, safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"no compressed-context file {str(path)!r} (kvmerge compress --out writes one)")
-    with path.open("rb") as f:
-        start = f.read(9)
-    if len(start) == 9 and start[8:9] != b"{":  # a safetensors file opens with its header's length, then JSON
-        raise ContextFileError(f"{path} is not a compressed-context file (kvmerge compress --out writes one; a text "
-                               "file goes to kvmerge generate --context)")
-    try:
-        with safe_open(str(path), "pt") as f:
-            head = f.metadata() or {}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise ContextFileError(f"{path} is cut off or corrupt (not a whole safetensors file: {e})") from None
-    if head.get("format") != FORMAT:
-        raise ContextFileError(f"{path} is not a kvmerge compressed context (made by `kvmerge compress`)")
-    if int(head.get("version", 0)) > VERSION:
-        raise ContextFileError(f"{path} is format version {head['version']}, newer than this kvmerge reads "
-                               f"({VERSION}): upgrade kvmerge")
-    return head
+def _name(path) -> str:
+    """A model's name from its `name_or_path` (a converted cache folder's last part), or 'unnamed'."""
+    return Path(str(path)).name if path else "unnamed"
 
 
 def spec_of(method) -> str:
@@ -338,67 +295,3 @@ def _params(method) -> dict:
         if value != default:
             out[f.name] = value
     return out
-
-
-def _ids_hash(ids) -> str:
-    return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()[:16]
-
-
-# -- layers and states, out and in ----------------------------------------------------------------
-def _layer_out(layer, prefix: str, tensors: dict) -> dict:
-    meta = {"type": type(layer).__name__, "seen": layer.seen}
-    if layer.heads is not None:
-        tensors[prefix + "live"] = layer._live
-        meta["kept"] = list(layer._kept)
-        meta["heads"] = [_layer_out(head, f"{prefix}h{i}.", tensors) for i, head in enumerate(layer.heads)]
-    else:
-        for name in ("keys", "values", "log_n"):
-            if getattr(layer, name) is not None:
-                tensors[prefix + name] = getattr(layer, name)
-    if isinstance(layer, SlidingLayer):
-        meta.update(window=layer.window, held=layer.held)
-        if layer.positions is not None:
-            tensors[prefix + "positions"] = layer.positions
-    return meta
-
-
-def _layer_in(layer, meta: dict, prefix: str, tensors: dict, device) -> None:
-    if type(layer).__name__ != meta["type"] or (isinstance(layer, SlidingLayer) and layer.window != meta["window"]):
-        raise ContextFileError(f"the file's layer {prefix[1:-1]} is a {meta['type']}, the model's a {type(layer).__name__}")
-    layer.is_initialized, layer.device = True, device
-    if "heads" in meta:
-        heads = []
-        for i, m in enumerate(meta["heads"]):
-            head = MergedLayer()
-            _layer_in(head, m, f"{prefix}h{i}.", tensors, device)
-            heads.append(head)
-        layer.heads, layer._live, layer._kept = heads, tensors[prefix + "live"], meta["kept"]
-        layer._keys = layer._values = layer._log_n = None
-        layer._length = 0
-    else:
-        layer.replace(tensors[prefix + "keys"], tensors[prefix + "values"], tensors.get(prefix + "log_n"), fit=True)
-    if isinstance(layer, SlidingLayer):
-        layer.held, layer.positions = meta["held"], tensors.get(prefix + "positions")
-    layer.seen = meta["seen"]
-
-
-def _state_out(state, prefix: str, tensors: dict, scratch: bool) -> dict:
-    meta = {"compressed_at": state.compressed_at, "scaling": state.scaling, "extra": state.extra, "scratch": {}}
-    if state.targets is not None:
-        tensors[prefix + "targets"] = state.targets
-    for key, value in (state.scratch if scratch else {}).items():
-        if isinstance(value, torch.Tensor):
-            tensors[f"{prefix}scratch.{key}"] = value
-            meta["scratch"][key] = None
-        else:
-            try:
-                meta["scratch"][key] = json.loads(json.dumps(value))
-            except TypeError:
-                raise InputError(f"this method keeps state that cannot be saved ({key}: {type(value).__name__})") from None
-    return meta
-
-
-def _state_in(state, meta: dict, prefix: str, tensors: dict) -> None:
-    state.compressed_at, state.scaling, state.extra = meta["compressed_at"], meta["scaling"], meta["extra"]
-    state.targets = tensors[prefix + "targets"].cpu() if prefix + "targets" in tensors else None
-    state.scratch = {k: tensors[f"{prefix}scratch.{k}"] if v is None else v for k, v in meta["scratch"].items()}

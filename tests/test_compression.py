@@ -148,3 +148,33 @@ def test_a_padded_batch_is_refused_in_one_line_before_the_model_runs():
                              max_new_tokens=4, do_sample=False)
     hook.remove()
     assert out.shape == (2, 64)
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "mixedmerge", "learnedzip", "snapkv:alloc=head"])
+def test_a_cache_used_after_its_block_ends_is_refused_in_one_line(spec):
+    """Outside the block the model's own attention would read merged entries as plain ones (a wrong
+    answer), or fail deep inside; the cache refuses instead. A compressed context still answers."""
+    model, tok = tiny_model(), TinyTokenizer()
+    ctx, q = random_ids(160, seed=1), random_ids(6, seed=2)
+    with kvmerge.compressing(model, spec, budget=0.25, window=8, tokenizer=tok) as kv:
+        cache = kv.prefill(ctx)
+        inside = model.generate(torch.tensor([ctx + q]), cache=cache, max_new_tokens=4, do_sample=False)
+    with pytest.raises(kvmerge.KVMergeError, match="block has ended.* inside that block"):
+        model.generate(torch.tensor([ctx + q]), cache=cache, max_new_tokens=4, do_sample=False)
+    with kvmerge.compressing(model, spec, budget=0.25, window=8, tokenizer=tok) as kv:
+        again = model.generate(torch.tensor([ctx + q]), cache=kv.prefill(ctx), max_new_tokens=4, do_sample=False)
+    assert again.tolist() == inside.tolist()
+    compressed = kvmerge.compress_context(model, tok, ctx, f"{spec}:window=8", 0.25)
+    with kvmerge.compressing(model, spec, budget=0.25, window=8, tokenizer=tok) as kv:
+        kv.prefill(compressed)
+    assert kvmerge.generate_ids(model, ctx, q, kvmerge.get_method(f"{spec}:window=8", budget=0.25), max_new_tokens=4,
+                                tokenizer=tok).tokens == compressed.generate_ids(q, 4).tokens
+
+
+def test_a_compressed_context_is_refused_by_a_block_of_another_method():
+    model, tok = tiny_model(), TinyTokenizer()
+    compressed = kvmerge.compress_context(model, tok, random_ids(160, seed=1), "learnedzip:window=8", 0.25)
+    with kvmerge.compressing(model, "snapkv", budget=0.25) as kv:
+        with pytest.raises(kvmerge.KVMergeError, match="compressed with learnedzip .* not with this block's snapkv: "
+                           "open kvmerge.compressing"):
+            kv.prefill(compressed)

@@ -113,6 +113,57 @@ def test_unusable_files_are_refused_in_one_line(tmp_path):
     _refused(path, tiny_model(dtype=torch.bfloat16), "would round them: load the model with dtype=torch.float32")
 
 
+def _tamper(path, out, change=lambda tensors, meta: None, digest=False):
+    """`path` rewritten to `out` with `change(tensors, meta)` applied; its checksum recomputed when
+    `digest`, else dropped (a file from before checksums)."""
+    from kvmerge.context_file import digest as checksum
+
+    with safe_open(str(path), "pt") as f:
+        head, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    meta = json.loads(head["meta"])
+    change(tensors, meta)
+    head = {**head, "meta": json.dumps(meta)}
+    head.pop("digest")
+    if digest:
+        head["digest"] = checksum(head["meta"], tensors)
+    save_file(tensors, str(out), metadata=head)
+    return out
+
+
+def test_damaged_files_are_refused_naming_the_damage(tmp_path):
+    model, ctx = _context(tiny_model, "mixedmerge")
+    path = ctx.save(tmp_path / "c.kvz")
+    data = bytearray(path.read_bytes())
+    data[-200:-190] = b"\x7f" * 10  # inside the tensors: the file still parses
+    (tmp_path / "bytes.kvz").write_bytes(bytes(data))
+    _refused(tmp_path / "bytes.kvz", model, "is damaged: its contents changed after it was saved")
+    _refused(_rewrite(path, tmp_path / "meta.kvz", meta=json.dumps({**ctx.meta, "budget": 0.5})), model, "checksum")
+
+    def nan(t, m):
+        t["l1.keys"][0, 0, 3, 0] = float("nan")
+
+    def short(t, m):
+        t["l0.values"] = t["l0.values"][:, :, :-1].contiguous()
+
+    def ids(t, m):
+        t["context_ids"][5] += 1
+
+    def dtype(t, m):
+        m["dtype"] = "bogus"
+
+    def gone(t, m):
+        del t["l1.log_n"], t["l1.keys"]
+
+    for change, match in [(nan, "l1.keys holds a NaN"), (short, r"l0.values has shape \(1, 2, 39, 16\), this model's "
+                          r"is \(1, 2, 40, 16\)"), (ids, "context_ids are not the 160 tokens"),
+                          (dtype, "dtype 'bogus' is not a floating-point"), (gone, "it has no tensor l1.keys")]:
+        for digest in (False, True):  # caught by the checks themselves, not only by the checksum
+            _refused(_tamper(path, tmp_path / "t.kvz", change, digest), model, f"is damaged: .*{match}")
+    _refused(_tamper(path, tmp_path / "t.kvz", lambda t, m: m.pop("layers"), True), model, "metadata is not")
+    assert kvmerge.load_context(_tamper(path, tmp_path / "old.kvz"), model, TinyTokenizer()).generate_ids(Q, 4).tokens \
+        == ctx.generate_ids(Q, 4).tokens  # a file without a checksum still loads
+
+
 def test_a_lossless_dtype_is_converted_and_long_questions_are_refused(tmp_path):
     model, ctx = _context(lambda: tiny_model(dtype=torch.bfloat16), "snapkv")
     back = kvmerge.load_context(ctx.save(tmp_path / "c.kvz"), tiny_model(), TinyTokenizer())

@@ -1,0 +1,207 @@
+"""The compressed-context file: safetensors, with the context's metadata as JSON.
+
+Tensors: per layer `l{i}.keys` / `.values` `(1, kv_heads, n, head_dim)` and `.log_n` `(1, kv_heads, n)`
+(a layer whose heads keep different counts: `l{i}.h{j}.keys` ... `(1, 1, n_j, head_dim)` and
+`l{i}.live` `(kv_heads, width)`), a sliding layer's `l{i}.positions` `(1, n)`, each layer state's
+`s{i}.targets` and scratch, the session's counters `seen` / `plain` / `captured` `(1,)`, and, when kept,
+`context_ids` `(tokens,)` and `kept.{i}` `(kv_heads, slots)`.
+
+The safetensors header holds `format`, `version`, `meta` (the JSON) and `digest`: a SHA-256 over the
+JSON and every tensor's name, dtype, shape and bytes. A file whose digest does not match, or whose
+tensors do not fit the model, hold a NaN or disagree with the metadata, is refused in one line
+before any forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import InputError, KVMergeError
+from .files import publish
+from .layer import MergedLayer
+from .sliding import SlidingLayer
+
+FORMAT, VERSION = "kvmerge-context", 1
+
+
+class ContextFileError(KVMergeError, ValueError):
+    """A compressed-context file that cannot be used here (corrupt, newer, another model...)."""
+
+
+def digest(meta: str, tensors: dict) -> str:
+    """SHA-256 (32 hex) of the metadata JSON and every CPU tensor's name, dtype, shape and bytes."""
+    h = hashlib.sha256(meta.encode())
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"\n{name} {t.dtype} {tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()[:32]
+
+
+def ids_hash(ids) -> str:
+    return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()[:16]
+
+
+def write(path, tensors: dict, meta: dict) -> Path:
+    """Write `tensors` and `meta` to `path` whole (a temporary name, then renamed)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.is_dir() or not path.parent.is_dir():
+        raise InputError(f"cannot save to {path}: " + ("it is a folder" if path.is_dir() else
+                                                     f"no folder {str(path.parent)!r}"))
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    text = json.dumps(meta)
+    tmp = path.with_name(path.name + ".part")
+    save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": str(VERSION), "meta": text,
+                                           "digest": digest(text, tensors)})
+    return publish(tmp, path)
+
+
+def check_file(path) -> dict:
+    """The metadata of a compressed-context file, read without its tensors; a `ContextFileError` when
+    it is missing, not a whole safetensors file, not a kvmerge context or of a newer format."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path} is a folder, not a compressed-context file (kvmerge compress --out writes one)")
+    if not path.is_file():
+        raise InputError(f"no compressed-context file {str(path)!r} (kvmerge compress --out writes one)")
+    with path.open("rb") as f:
+        start = f.read(9)
+    if len(start) == 9 and start[8:9] != b"{":  # a safetensors file opens with its header's length, then JSON
+        raise ContextFileError(f"{path} is not a compressed-context file (kvmerge compress --out writes one; a text "
+                               "file goes to kvmerge generate --context)")
+    try:
+        with safe_open(str(path), "pt") as f:
+            head = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ContextFileError(f"{path} is cut off or corrupt (not a whole safetensors file: {e})") from None
+    if head.get("format") != FORMAT:
+        raise ContextFileError(f"{path} is not a kvmerge compressed context (made by `kvmerge compress`)")
+    if not str(head.get("version", "")).isdigit():
+        raise ContextFileError(f"{path} is damaged: its format version {head.get('version')!r} is not a number")
+    if int(head["version"]) > VERSION:
+        raise ContextFileError(f"{path} is format version {head['version']}, newer than this kvmerge reads "
+                               f"({VERSION}): upgrade kvmerge")
+    return head
+
+
+def read(path, head: dict) -> tuple[dict, dict]:
+    """The tensors (on the CPU) and metadata of the file `check_file` accepted, the digest checked."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ContextFileError(f"{path} is cut off or corrupt (not a whole safetensors file: {e})") from None
+    if "digest" in head and digest(head.get("meta", ""), tensors) != head["digest"]:
+        raise ContextFileError(f"{path} is damaged: its contents changed after it was saved (the checksum does not "
+                               "match); compress the context again")
+    try:
+        meta = json.loads(head["meta"])
+        for key, kind in (("model", str), ("tokenizer", str), ("tokens", int), ("dtype", str), ("layers", list),
+                          ("states", list), ("method", str), ("ids_hash", str)):
+            if not isinstance(meta[key], kind):
+                raise TypeError(f"{key} is a {type(meta[key]).__name__}")
+    except (KeyError, TypeError, ValueError) as e:
+        raise ContextFileError(f"{path} is damaged: its metadata is not a compressed context's "
+                               f"({type(e).__name__}: {e})") from None
+    if not isinstance(getattr(torch, meta["dtype"], None), torch.dtype) or not getattr(torch, meta["dtype"]).is_floating_point:
+        raise ContextFileError(f"{path} is damaged: its dtype {meta['dtype']!r} is not a floating-point torch dtype")
+    if "context_ids" in tensors:
+        ids = tensors["context_ids"]
+        if ids.dim() != 1 or len(ids) != meta["tokens"] or ids_hash(ids.tolist()) != meta["ids_hash"]:
+            raise ContextFileError(f"{path} is damaged: its context_ids are not the {meta['tokens']:,} tokens it was "
+                                   "compressed from (their hash differs)")
+    return tensors, meta
+
+
+def _tensor(tensors: dict, name: str, shape: tuple, path) -> torch.Tensor:
+    """`tensors[name]`, refused unless it is there with `shape` (None: any size) and finite."""
+    if name not in tensors:
+        raise ContextFileError(f"{path} is damaged: it has no tensor {name}")
+    t = tensors[name]
+    if t.dim() != len(shape) or any(want is not None and have != want for have, want in zip(t.shape, shape)):
+        raise ContextFileError(f"{path} is damaged: {name} has shape {tuple(t.shape)}, this model's is "
+                               f"{tuple('n' if s is None else s for s in shape)}")
+    entries = name.rsplit(".", 1)[-1] in ("keys", "values")  # log_n is -inf at an empty slot
+    if t.is_floating_point() and (t.isnan().any() or t.isposinf().any() or (entries and t.isinf().any())):
+        raise ContextFileError(f"{path} is damaged: {name} holds a NaN or an infinity")
+    return t
+
+
+# -- layers and states, out and in ----------------------------------------------------------------
+def layer_out(layer, prefix: str, tensors: dict) -> dict:
+    meta = {"type": type(layer).__name__, "seen": layer.seen}
+    if layer.heads is not None:
+        tensors[prefix + "live"] = layer._live
+        meta["kept"] = list(layer._kept)
+        meta["heads"] = [layer_out(head, f"{prefix}h{i}.", tensors) for i, head in enumerate(layer.heads)]
+    else:
+        for name in ("keys", "values", "log_n"):
+            if getattr(layer, name) is not None:
+                tensors[prefix + name] = getattr(layer, name)
+    if isinstance(layer, SlidingLayer):
+        meta.update(window=layer.window, held=layer.held)
+        if layer.positions is not None:
+            tensors[prefix + "positions"] = layer.positions
+    return meta
+
+
+def layer_in(layer, meta: dict, prefix: str, tensors: dict, device, shape: tuple, path) -> None:
+    """Fill `layer` from the file; `shape` is the model's `(kv_heads, head_dim)` for this layer."""
+    if type(layer).__name__ != meta["type"] or (isinstance(layer, SlidingLayer) and layer.window != meta["window"]):
+        raise ContextFileError(f"the file's layer {prefix[1:-1]} is a {meta['type']}, the model's a {type(layer).__name__}")
+    heads, dim = shape
+    layer.is_initialized, layer.device = True, device
+    if "heads" in meta:
+        if len(meta["heads"]) != heads or len(meta["kept"]) != heads:
+            raise ContextFileError(f"{path} is damaged: layer {prefix[1:-1]} stores {len(meta['heads'])} heads, "
+                                   f"this model's has {heads}")
+        parts = []
+        for i, m in enumerate(meta["heads"]):
+            head = MergedLayer()
+            layer_in(head, m, f"{prefix}h{i}.", tensors, device, (1, dim), path)
+            parts.append(head)
+        live = _tensor(tensors, prefix + "live", (heads, None), path)
+        layer.heads, layer._live, layer._kept = parts, live, meta["kept"]
+        layer._keys = layer._values = layer._log_n = None
+        layer._length = 0
+    else:
+        keys = _tensor(tensors, prefix + "keys", (1, heads, None, dim), path)
+        n = keys.shape[2]
+        values = _tensor(tensors, prefix + "values", (1, heads, n, dim), path)
+        log_n = _tensor(tensors, prefix + "log_n", (1, heads, n), path) if prefix + "log_n" in tensors else None
+        layer.replace(keys, values, log_n, fit=True)
+    if isinstance(layer, SlidingLayer):
+        layer.held, layer.positions = meta["held"], tensors.get(prefix + "positions")
+    layer.seen = meta["seen"]
+
+
+def state_out(state, prefix: str, tensors: dict, scratch: bool) -> dict:
+    meta = {"compressed_at": state.compressed_at, "scaling": state.scaling, "extra": state.extra, "scratch": {}}
+    if state.targets is not None:
+        tensors[prefix + "targets"] = state.targets
+    for key, value in (state.scratch if scratch else {}).items():
+        if isinstance(value, torch.Tensor):
+            tensors[f"{prefix}scratch.{key}"] = value
+            meta["scratch"][key] = None
+        else:
+            try:
+                meta["scratch"][key] = json.loads(json.dumps(value))
+            except TypeError:
+                raise InputError(f"this method keeps state that cannot be saved ({key}: {type(value).__name__})") from None
+    return meta
+
+
+def state_in(state, meta: dict, prefix: str, tensors: dict) -> None:
+    state.compressed_at, state.scaling, state.extra = meta["compressed_at"], meta["scaling"], meta["extra"]
+    state.targets = tensors[prefix + "targets"].cpu() if prefix + "targets" in tensors else None
+    state.scratch = {k: tensors[f"{prefix}scratch.{k}"] if v is None else v for k, v in meta["scratch"].items()}
