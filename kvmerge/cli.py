@@ -107,6 +107,35 @@ def _csv(kind):
     return parse
 
 
+ESCAPES = {"n": "\n", "t": "\t", ",": ",", "\\": "\\"}
+
+
+def _stops(text: str) -> list[str]:
+    """Stop strings: split at commas, `\\n` a newline, `\\t` a tab, `\\,` a comma, `\\\\` a backslash
+    (a real newline, as from bash's $'\\n', is taken as it is); spaces around each are dropped."""
+    items, part, i = [], "", 0
+    while i < len(text):
+        if text[i] == "\\" and text[i + 1:i + 2] in ESCAPES:
+            part, i = part + ESCAPES[text[i + 1]], i + 2
+            continue
+        if text[i] == ",":
+            items.append(part)
+            part = ""
+        else:
+            part += text[i]
+        i += 1
+    items = [x.strip(" ") for x in [*items, part] if x.strip(" ")]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of stop strings (\\n a newline, \\, a "
+                                         f"comma), got {text!r}")
+    return items
+
+
+def _method(text: str) -> str | None:
+    """A method spec; "default" (as in eval's --methods) is the model's default, as if left out."""
+    return None if text == "default" else text
+
+
 def _budget(text: str) -> float | int:
     """A fraction in (0, 1] ("0.25", "25%") or a whole number of entries ("400")."""
     try:
@@ -125,7 +154,7 @@ def _number(kind, low=None, high=None, low_open=False, what="a number"):
             value = kind(text)
         except ValueError:
             value = None
-        bad = value is None or (low is not None and (value <= low if low_open else value < low)) or \
+        bad = value is None or value != value or value in (float("inf"), float("-inf")) or (low is not None and (value <= low if low_open else value < low)) or \
             (high is not None and value > high)
         if bad:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
@@ -152,8 +181,9 @@ def _answer_args(p) -> None:
                    metavar="P", help="sample from the smallest set of tokens with this probability")
     p.add_argument("--seed", type=int, default=None, metavar="N", help="seed of the sampler (default: none, a fresh seed each "
                    "run)")
-    p.add_argument("--stop", type=_csv(str), default=None, help="comma-separated strings that end the answer "
-                   "(default: none; the end of the model's turn ends it)")
+    p.add_argument("--stop", type=_stops, action="extend", default=None, metavar="TEXT",
+                   help="strings that end the answer, comma-separated or the option repeated; \\n is a newline, \\, a "
+                   "comma (default: none; the end of the model's turn ends it)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -174,7 +204,7 @@ def _parser() -> argparse.ArgumentParser:
                          formatter_class=fmt, epilog=EPILOG)
     gen.add_argument("--context", required=True, metavar="FILE", help="UTF-8 text file with the context; - reads stdin")
     gen.add_argument("--question", required=True, metavar="TEXT", help="the question, asked after the context is compressed")
-    gen.add_argument("--method", default=None, metavar="SPEC",
+    gen.add_argument("--method", type=_method, default=None, metavar="SPEC",
                      help="a method spec NAME[:param=value...], e.g. snapkv:kernel=5 (kvmerge methods lists them; "
                      f"full: no compression) (default: {RULE})")
     gen.add_argument("--budget", type=_budget, default=None, metavar="B",
@@ -192,7 +222,7 @@ def _parser() -> argparse.ArgumentParser:
                           formatter_class=fmt, epilog=EPILOG)
     comp.add_argument("--context", required=True, metavar="FILE", help="UTF-8 text file with the context; - reads stdin")
     comp.add_argument("--out", required=True, metavar="FILE.kvz", help="the compressed context's file")
-    comp.add_argument("--method", default=None, metavar="SPEC", help=f"a method spec (default: {RULE}); a costly one "
+    comp.add_argument("--method", type=_method, default=None, metavar="SPEC", help=f"a method spec (default: {RULE}); a costly one "
                       "pays off here, e.g. zipguardmerge")
     comp.add_argument("--budget", type=_budget, default=None, metavar="B",
                       help="what the cache keeps: a fraction of the context in (0, 1] or a whole number of entries "

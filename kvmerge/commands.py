@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .errors import InputError, UnsupportedError, check_chunk
+from .errors import check_sampling as check_sampling_options
 from .spec import check_budget_once, parse_spec
 
 
@@ -170,12 +171,8 @@ def Streamer(tok, stop: list[str] | None = None):  # noqa: N802 - builds a class
 
 
 def check_sampling(args) -> None:
-    """Sampling options (`generate`, `ask`) refused where they cannot act."""
-    shaping = [o for o, on in (("--top-k", args.top_k), ("--top-p", args.top_p < 1), ("--seed", args.seed is not None))
-               if on]
-    if shaping and args.temperature == 0:
-        raise InputError(f"{', '.join(shaping)} shape sampling, and --temperature 0 decodes greedily: add --temperature "
-                         "(e.g. 0.7), or leave them out")
+    """Sampling options (`generate`, `ask`) refused where they cannot act, before the model loads."""
+    check_sampling_options(args.temperature, args.top_k, args.top_p, args.seed, lambda name: "--" + name.replace("_", "-"))
 
 
 def sampling(args) -> dict:

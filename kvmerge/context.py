@@ -26,9 +26,11 @@ import torch
 
 from .decoding import GenerationOutput, cache_stats, decode, from_context
 from .errors import InputError, ParameterTypeError, refusing
-from .context_file import ContextFileError, check_file, ids_hash, layer_in, layer_out, read, state_in, state_out, write
+from .context_file import (ContextFileError, OtherModelError, check_file, ids_hash, layer_in, layer_out, read, state_in,
+                           state_out, write)
 from .progress import bars_for
-from .prompt import check_model, check_questions, check_tokenizer, end_ids, split_prompt, validate
+from .prompt import (check_context_text, check_model, check_questions, check_tokenizer, end_ids, split_prompt,
+                     validate)
 from .session import Session
 from .sliding import SlidingLayer
 
@@ -104,9 +106,14 @@ class CompressedContext:
         size = self.nbytes
         return (f"{self.tokens:,} tokens, {self.meta['method']} at budget {self.meta['budget']}: entries per "
                 f"compressed layer and head {entries_line(self)}; {size / 2**20:.2f} MiB, "
-                f"{size / self.meta['full_bytes']:.1%} of the full cache")
+                f"{size / self.meta['full_bytes']:.1%} of the full cache"
+                + (" (sliding-window layers keep their window)" if self.session.cache.compressible !=
+                   list(range(len(self.session.cache.layers))) else ""))
 
     __str__ = summary
+
+    def __repr__(self) -> str:
+        return f"CompressedContext({self.summary()})"
 
 
 def batch(contexts: list[CompressedContext]) -> Session:
@@ -194,12 +201,13 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
         check_model(model, call)
         check_tokenizer(tokenizer, call)
         if isinstance(context, str):
+            check_context_text([context])
             ids = split_prompt(tokenizer, context, PLACEHOLDER, chat_template)[0]
             chat = bool(chat_template and getattr(tokenizer, "chat_template", None))
         else:
             ids = list(context.tolist() if isinstance(context, torch.Tensor) else context)
             chat = False
-        if method is None:
+        if method is None or method == "default":
             method = default_method(model)
         spec = method if isinstance(method, str) else None
         method = resolve(model, method, budget)[0]
@@ -239,10 +247,10 @@ def load_context(path, model, tokenizer) -> CompressedContext:
         tensors, meta = read(path, check_file(path))
         if meta["model"] != fingerprint(model.config):
             here = getattr(model.config, "name_or_path", "") or "this model"
-            raise ContextFileError(f"{path} was made for another model ({_name(meta.get('model_name'))}, fingerprint "
+            raise OtherModelError(f"{path} was made for another model ({_name(meta.get('model_name'))}, fingerprint "
                                    f"{meta['model']}), not {_name(here)} (fingerprint {fingerprint(model.config)})")
         if meta["tokenizer"] != tokenizer_hash(tokenizer):
-            raise ContextFileError(f"{path} was made with another tokenizer (hash {meta['tokenizer']}, this one's "
+            raise OtherModelError(f"{path} was made with another tokenizer (hash {meta['tokenizer']}, this one's "
                                    f"{tokenizer_hash(tokenizer)}): load the model's own tokenizer")
         device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
         stored = getattr(torch, meta["dtype"])

@@ -39,11 +39,35 @@ def _model_of(args, meta: dict | None = None):
     return load_model(name, device=getattr(args, "device", None))
 
 
+def _load(args, path, model, tok):
+    """`load_context`, its refusal of another model extended by the fix: the file names its own model."""
+    from .context import OtherModelError, load_context
+
+    try:
+        return load_context(path, model, tok)
+    except OtherModelError as e:
+        if args.model is None:
+            raise
+        raise OtherModelError(f"{e}; leave out --model to load the model the file names") from None
+
+
 def compress(args) -> int:
     from .commands import check_budget_given, method, quiet_loading, read_text, runs_here, writable
 
-    text = read_text(args.context)
     out = writable("--out", args.out)
+    if args.context != "-" and Path(args.context).expanduser().resolve() == out.resolve():
+        raise InputError(f"--out {args.out} is the --context file: writing it would destroy the text; give the .kvz "
+                         "file another name")
+    if out.is_file():
+        from .context import check_file
+        from .errors import KVMergeError
+
+        try:
+            check_file(out)
+        except KVMergeError:
+            raise InputError(f"--out {args.out} exists and is not a compressed context: kvmerge compress will not "
+                             "overwrite it; give another name (or remove it)") from None
+    text = read_text(args.context)
     if args.method is not None:  # checked before the model loads
         check_budget_given(args.method, args.budget)
         runs_here(method(args.method, args.budget, args.prefill_chunk), args.model)
@@ -76,11 +100,10 @@ def ask(args) -> int:
     if not questions or not all(q.strip() for q in questions):
         raise InputError("--question is empty: ask something (or --question - to read one question per line)")
     model, tok = _model_of(args, meta)
-    from .context import load_context
     from .generation import generate
 
     start = time.perf_counter()
-    ctx = load_context(path, model, tok)
+    ctx = _load(args, path, model, tok)
     loaded = time.perf_counter() - start
     for q in questions:
         if len(questions) > 1:
@@ -101,9 +124,8 @@ def inspect(args) -> int:
             writable(option, name)
     model, tok = _model_of(args, meta)
     from . import context_view
-    from .context import load_context
 
-    ctx = load_context(path, model, tok)
+    ctx = _load(args, path, model, tok)
     print(context_view.summary(ctx, path.stat().st_size))
     if ctx.kept is None:
         print("(the file kept only its token ids' hash: no text to show)")

@@ -32,6 +32,10 @@ class ContextFileError(KVMergeError, ValueError):
     """A compressed-context file that cannot be used here (corrupt, newer, another model...)."""
 
 
+class OtherModelError(ContextFileError):
+    """A compressed-context file made for another model or tokenizer."""
+
+
 def digest(meta: str, tensors: dict) -> str:
     """SHA-256 (32 hex) of the metadata JSON and every CPU tensor's name, dtype, shape and bytes."""
     h = hashlib.sha256(meta.encode())

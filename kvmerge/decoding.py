@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import stock_cache_bytes
-from .errors import InputError, refusing
+from .errors import InputError, check_sampling, refusing
 from .progress import bars_for
 from .prompt import validate
 from .stats import Stats
@@ -35,9 +35,7 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise InputError(f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got temperature="
-                             f"{self.temperature}, top_k={self.top_k}, top_p={self.top_p}")
+        check_sampling(self.temperature, self.top_k, self.top_p, self.seed)
 
     def chooser(self):
         """A function logits `(batch, vocab)` → next token ids `(batch,)`."""
@@ -59,7 +57,11 @@ class Sampling:
 
 
 def stop_strings(stop) -> list[str]:
-    return [x for x in ([stop] if isinstance(stop, str) else stop or []) if x]
+    """The stop strings, `stop` a str or a list of them; an empty one is refused (it would match at once)."""
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if not all(isinstance(x, str) and x for x in stop):
+        raise InputError(f"stop strings must be non-empty strs, got {stop!r}")
+    return stop
 
 
 def stopper(tokenizer, stop):
@@ -79,8 +81,10 @@ def from_context(context, question_ids: list[int], max_new_tokens: int = 32, eos
                   session.method)
     session = context.rewind()
     session.reserve(len(question_ids) + max_new_tokens)
-    stats = {**cache_stats(session, [[0] * context.tokens], "agnostic"), **context.meta.get("timings", {}),
-             "context_tokens": context.tokens}
+    stats = {**cache_stats(session, [[0] * context.tokens], "agnostic"), "context_tokens": context.tokens,
+             "compressed_before": dict(context.meta.get("timings", {}))}  # this run neither prefills nor compresses
+    for phase in ("prefill_seconds", "compress_seconds"):
+        stats.pop(phase, None)
     report = bars_for(progress)
     try:
         logits = session.forward([list(question_ids)], decoding=False)

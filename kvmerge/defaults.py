@@ -55,14 +55,14 @@ def default_method(model_or_config, runtime: str = "transformers") -> str:
 
 
 def resolve(model, method, budget=None):
-    """(the method to run, whether it is the default) for the API's `method` and `budget`: None →
+    """(the method to run, whether it is the default) for the API's `method` and `budget`: None or "default" →
     `default_method(model)`, built at `budget`; a name or spec → built at `budget` (a spec's own
     `budget=` must agree); a `Method` as it is, refused with a `budget`, which goes with a name."""
     from .errors import ParameterTypeError
     from .methods import Method, get_method
     from .spec import check_budget_once
 
-    if method is None:
+    if method is None or method == "default":  # "default": the name eval's method lists use for it
         return get_method(default_method(model), budget), True
     if isinstance(method, Method) and budget is not None:
         raise ParameterTypeError("budget= goes with a method name or spec (method='snapkv', budget=0.1); a Method "

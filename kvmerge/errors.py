@@ -10,6 +10,7 @@ Imports nothing heavy (no torch): the command line uses this module before it lo
 from __future__ import annotations
 
 import difflib
+import math
 from contextlib import contextmanager
 
 
@@ -75,3 +76,22 @@ def check_chunk(chunk, sinks: int = 0, window: int = 0, what: str = "prefill chu
     if chunk < sinks + window:
         raise InputError(f"{what} {chunk} is below the protected sinks + window ({sinks} + {window}): every chunk "
                          f"would be kept whole; use at least {sinks + window}")
+
+
+def check_sampling(temperature, top_k, top_p, seed, option=str) -> None:
+    """The one check of the sampling options (Python's and the command line's); `option(name)` words a
+    name as the caller knows it (the command line: `--top-k`)."""
+    number, whole = (int, float), int
+    for name, value, kind in (("temperature", temperature, number), ("top_k", top_k, whole), ("top_p", top_p, number),
+                              ("seed", seed, (whole, type(None)))):
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ParameterTypeError(f"{option(name)} must be {'a whole number' if kind is whole else 'a number'}, "
+                                     f"got {value!r}")
+    if not math.isfinite(temperature) or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise InputError(f"need {option('temperature')} >= 0 (finite), {option('top_k')} >= 0 and 0 < "
+                         f"{option('top_p')} <= 1, got {temperature}, {top_k} and {top_p}")
+    shaping = [option(name) for name, on in (("top_k", top_k), ("top_p", top_p < 1), ("seed", seed is not None)) if on]
+    if shaping and temperature == 0:
+        raise InputError(f"{', '.join(shaping)} {'shape' if len(shaping) > 1 else 'shapes'} sampling, and "
+                         f"{option('temperature')} 0 decodes greedily: set {option('temperature')} (e.g. 0.7), or "
+                         "leave them out")

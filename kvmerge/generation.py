@@ -16,7 +16,8 @@ from .defaults import resolve
 from .errors import InputError, ParameterTypeError, refusing
 from .methods import Method
 from .progress import bars_for, watching
-from .prompt import check_model, check_questions, check_tokenizer, common_prefix, end_ids, is_ids, split_prompt, validate
+from .prompt import (check_context_text, check_model, check_questions, check_tokenizer, common_prefix, end_ids, is_ids,
+                     split_prompt, validate)
 from .session import Session
 
 
@@ -80,7 +81,7 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
                                     progress=progress, budget=budget, prefill_chunk=prefill_chunk)
     if isinstance(context, CompressedContext):
         with refusing():
-            _compressed_already(method, budget, prefill_chunk)
+            _compressed_already(context, method, budget, prefill_chunk, chat_template=chat_template)
         ends = end_ids(tokenizer, chat_template) if eos_token_id is None else eos_token_id
         outs = []
         for q in [questions] if isinstance(questions, str) else questions:
@@ -101,6 +102,7 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
         call = "answer_questions(model, tokenizer, context, questions, ...)"
         check_model(model, call)
         check_questions(questions)
+        check_context_text([context])
         method = resolve(model, method, budget)[0] if budget is not None or isinstance(method, str) else method
         check_tokenizer(tokenizer, call)
         pairs = [split_prompt(tokenizer, context, q, chat_template) for q in questions]
@@ -170,14 +172,14 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
     in (0, 1] or a whole number of entries (default: the method's, 0.25)."""
     if isinstance(context, CompressedContext):
         with refusing():
-            _compressed_already(method, budget, prefill_chunk)
+            _compressed_already(context, method, budget, prefill_chunk, protocol, chat_template)
             if not isinstance(question, str):
                 raise ParameterTypeError("a compressed context answers one question str at a time here "
                                          "(several: kvmerge.answer_questions)")
-            sampling = Sampling(temperature, top_k, top_p, seed)
+            sampling, stop = Sampling(temperature, top_k, top_p, seed), stop_strings(stop)
         out = from_context(context, context.question_ids(question), max_new_tokens, end_ids(tokenizer, chat_template),
                            sampling, streamer, stopper(tokenizer, stop), progress)
-        out.text = cut_at_stop(tokenizer.decode(out.tokens[0], skip_special_tokens=True), stop_strings(stop)).strip()
+        out.text = cut_at_stop(tokenizer.decode(out.tokens[0], skip_special_tokens=True), stop).strip()
         return out
     with refusing():
         single = isinstance(context, str)
@@ -192,11 +194,12 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
         check_model(model, call)
         check_tokenizer(tokenizer, call)
         check_questions(questions)
+        check_context_text(contexts)
         if isinstance(method, str) or budget is not None:
             method = resolve(model, method, budget)[0]
-        sampling = Sampling(temperature, top_k, top_p, seed)
+        sampling, stop = Sampling(temperature, top_k, top_p, seed), stop_strings(stop)
         pairs = [split_prompt(tokenizer, c, q, chat_template) for c, q in zip(contexts, questions)]
-    stop, stopped = stop_strings(stop), stopper(tokenizer, stop)
+    stopped = stopper(tokenizer, stop)
     out = generate_ids(model, [p[0] for p in pairs], [p[1] for p in pairs], method, max_new_tokens, protocol,
                        eos_token_id=end_ids(tokenizer, chat_template), tokenizer=tokenizer, sampling=sampling,
                        streamer=streamer, stop=stopped, prefill_chunk=prefill_chunk, progress=progress)
@@ -208,14 +211,22 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
 
 
 # -- the steps ---------------------------------------------------------------------------------
-def _compressed_already(method, budget, prefill_chunk) -> None:
-    """A compressed context was compressed with its own method and budget: refuse options that would
-    compress it again."""
+def _compressed_already(context, method, budget, prefill_chunk, protocol="agnostic", chat_template=True) -> None:
+    """A compressed context was compressed with its own method and budget, before any question, framed
+    by the chat template or not: refuse options that would compress it again or frame it otherwise."""
     given = [name for name, v in (("method", method), ("budget", budget), ("prefill_chunk", prefill_chunk))
              if v is not None]
     if given:
         raise ParameterTypeError(f"a compressed context is answered as it was compressed: {', '.join(given)} "
                                  "goes to compress_context")
+    if protocol != "agnostic":
+        raise InputError(f"a compressed context was compressed before any question (protocol 'agnostic'), got "
+                         f"protocol={protocol!r}: to compress the question with it, pass the context's text")
+    if not isinstance(chat_template, bool):
+        raise ParameterTypeError(f"chat_template must be True or False, got {chat_template!r}")
+    if context.meta["chat_template"] and not chat_template:
+        raise InputError("this compressed context was framed by the chat template, so its questions are too: leave "
+                         "chat_template=True (or compress the context with chat_template=False)")
 
 
 def _check_tokenizer(method, tokenizer) -> None:

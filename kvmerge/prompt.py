@@ -72,6 +72,16 @@ def check_questions(questions: list[str]) -> None:
         raise InputError("a question is empty: ask something about the context")
 
 
+def check_context_text(contexts: list) -> None:
+    """Refuse a context that is the path of a compressed-context file (it would be read as its name)."""
+    import os
+
+    for c in contexts:
+        if isinstance(c, str) and c.strip().endswith(".kvz") and len(c) < 4096 and os.path.isfile(c.strip()):
+            raise InputError(f"the context {c.strip()!r} is a compressed-context file's name, not its text: "
+                             "kvmerge.load_context(path, model, tokenizer) reads it, then pass what it returns")
+
+
 def as_rows(x, what: str) -> list[list[int]]:
     if isinstance(x, torch.Tensor):
         x = x.tolist() if x.dim() == 2 else [x.tolist()]
@@ -119,10 +129,18 @@ def validate(model, context_ids, question_ids, protocol, max_new_tokens, method,
     limit = max_positions(model)
     longest = max(len(c) + len(q) for c, q in zip(contexts, questions))
     if limit and longest + max_new_tokens > limit:
-        raise ContextTooLongError(f"the prompt is {longest:,} tokens and up to {max_new_tokens} more are generated, "
-                                  f"over the model's {limit:,} positions (max_position_embeddings): shorten the "
-                                  f"context to at most {limit - max_new_tokens - (longest - max(map(len, contexts))):,}"
-                                  " tokens or lower max_new_tokens")
+        question = longest - max(map(len, contexts))
+        room = limit - max_new_tokens - question  # the longest context that fits
+        fewer = f"lower max_new_tokens to at most {limit - longest:,}"
+        if room >= 1:
+            fix = f"shorten the context to at most {room:,} tokens" + (f" or {fewer}" if longest < limit else "")
+        elif longest < limit:
+            fix = fewer
+        else:
+            fix = f"shorten the context to at most {limit - question - 1:,} tokens and lower max_new_tokens"
+        generated = f" and up to {max_new_tokens:,} more are generated" if max_new_tokens > 1 else ""
+        raise ContextTooLongError(f"the prompt is {longest:,} tokens{generated}, over the model's {limit:,} positions "
+                                  f"(max_position_embeddings): {fix}")
     if prefill_chunk is not None:
         check_chunk(prefill_chunk)
     if protocol == "aware":

@@ -14,7 +14,8 @@ class Stats(dict):
     (the whole cache against what transformers' own would hold), `compressed_layers_bytes` and
     `compressed_layers_full_bytes` (the layers the budget applies to), `prefill_seconds`,
     `compress_seconds`, `decode_seconds`, `new_tokens` (one per row), `final_cache_bytes`, and what the
-    method reports of itself."""
+    method reports of itself. An answer from a compressed context has no prefill or compress seconds of
+    its own: `compressed_before` holds those of its compression."""
 
     @property
     def layers(self) -> list[int]:
@@ -47,6 +48,9 @@ class Stats(dict):
                 parts.append(f"the layers the budget applies to {self['compressed_layers_bytes'] / budgeted:.1%} "
                              "(sliding-window layers keep their window)")
         parts.append(", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()))
+        if self.get("compressed_before"):
+            parts.append("compressed before (" + ", ".join(f"{k.removesuffix('_seconds')} {v:.1f} s" for k, v in
+                                                          self["compressed_before"].items()) + ")")
         return "; ".join(p for p in parts if p)
 
     __str__ = summary

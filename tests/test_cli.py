@@ -81,6 +81,9 @@ MISTAKES = [  # argv, what the line must say
     (G + ["--prefill-chunk", "8"], "below the protected sinks + window (4 + 32)", "use at least 36"),
     (G + ["--stop", ""], "--stop"),
     (G + ["--stop", ","], "--stop"),
+    (G + ["--temperature", "nan"], "--temperature", "a number >= 0"),
+    (G + ["--temperature", "inf"], "--temperature", "a number >= 0"),
+    (["compress", "--context", "ctx.txt", "--out", "./ctx.txt"], "--out ./ctx.txt is the --context file"),
     (G + ["--budgte", "0.5"], "unknown option '--budgte' (did you mean --budget"),
     (["generate", "--context", "ctx.txt", "--question", " "], "--question is empty"),
     (["generate", "--context", "empty.txt", "--question", "q"], "empty.txt is empty"),
@@ -110,7 +113,7 @@ MISTAKES = [  # argv, what the line must say
     (["train-scorer", "--out", "w.bin"], "NAME.safetensors"),
     (["train-scorer", "--out", "nodir/w.safetensors"], "no folder 'nodir'"),
     (G + ["--method", "snapkv:window=16:window=8"], "sets window twice"),
-    (G + ["--seed", "3"], "--seed shape sampling", "add --temperature"),
+    (G + ["--seed", "3"], "--seed shapes sampling", "set --temperature"),
     (G + ["--top-k", "5", "--top-p", "0.9"], "--top-k, --top-p shape sampling"),
     (G + ["--method", "full", "--budget", "0.1"], "--budget does not apply"),
     (["compress", "--context", "ctx.txt", "--out", "c.kvz", "--method", "full", "--budget", "0.1"],
@@ -381,3 +384,22 @@ def test_the_word_default_in_a_method_list_names_the_models_default_method():
     assert with_default(["full", "snapkv", "snapkv"], "no-such-folder") == ["full", "snapkv"]
     assert with_default(["default", "snapkv"], "no-such-folder") == ["snapkv"]  # known once the model loads
     assert default_method(tiny_model()) == "learnedzip"
+
+
+@pytest.mark.parametrize("argv, stops", [
+    (["--stop", "\\n"], ["\n"]),
+    (["--stop", "\n"], ["\n"]),  # a real newline (bash's $'\n')
+    (["--stop", "Q:, A:"], ["Q:", "A:"]),
+    (["--stop", "a\\,b", "--stop", "\\\\n\\tx"], ["a,b", "\\n\tx"]),
+])
+def test_stop_strings_take_newlines_commas_and_repeat(argv, stops):
+    from kvmerge.cli import _parser
+
+    assert _parser().parse_args(G + argv).stop == stops
+
+
+def test_the_default_method_has_its_name_on_the_command_line_too():
+    from kvmerge.cli import _parser
+
+    assert _parser().parse_args(G + ["--method", "default"]).method is None
+    assert _parser().parse_args(["compress", "--context", "c.txt", "--out", "c.kvz", "--method", "default"]).method is None

@@ -79,6 +79,9 @@ def test_model_generate_on_a_loaded_context_equals_its_answer(tmp_path):
         cache = kv.prefill(back)
         got = model.generate(torch.tensor([back.context_ids + Q]), cache=cache, max_new_tokens=8, do_sample=False)
     assert got[0, 160 + len(Q):].tolist() == back.generate_ids(Q, 8).tokens[0]
+    stats = back.generate_ids(Q, 8).stats  # this answer's own seconds; its compression's are named so
+    assert "prefill_seconds" not in stats and stats["compressed_before"] == ctx.meta["timings"]
+    assert "compressed before (prefill" in str(stats)
 
 
 def _refused(path, model, match, tok=None):
@@ -185,6 +188,12 @@ def test_the_commands_refuse_bad_files_before_any_model_loads(capsys, tmp_path, 
     fails(capsys, ["ask", str(tmp_path / "junk.kvz"), "--question", "Why?"], "not a compressed-context file")
     fails(capsys, ["inspect", str(tmp_path / "ctx.txt")], "not a compressed-context file", "generate --context")
     fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", str(tmp_path)], "is a folder")
+    fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", str(tmp_path / "ctx.txt")],
+          "is the --context file")
+    (tmp_path / "notes.txt").write_text("Keep me.")
+    fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", str(tmp_path / "notes.txt")],
+          "exists and is not a compressed context", "will not overwrite it")
+    fails(capsys, ["inspect", str(tmp_path)], "is a folder, not a compressed-context file")
     fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", "x.kvz", "--method", "snapkv:nope=1"],
           "nope")
     _, ctx = _context(tiny_model, "snapkv")
@@ -219,6 +228,15 @@ def test_a_compressed_context_refuses_options_that_would_compress_it_again():
     for options in ({"budget": 0.1}, {"method": "full"}, {"prefill_chunk": 64}):
         with pytest.raises(KVMergeError, match="answered as it was compressed: .* goes to compress_context"):
             kvmerge.answer_questions(model, TinyTokenizer(), ctx, ["q"], **options)
+    for options, match in [({"protocol": "aware"}, "compressed before any question .* protocol='aware'"),
+                           ({"protocol": "bogus"}, "protocol='bogus'"),
+                           ({"chat_template": "no"}, "chat_template must be True or False")]:
+        with pytest.raises(KVMergeError, match=match):
+            kvmerge.generate(model, TinyTokenizer(), ctx, "q", **options)
+    ctx.meta["chat_template"] = True
+    for answer in (kvmerge.generate, kvmerge.answer_questions):
+        with pytest.raises(KVMergeError, match="framed by the chat template, so its questions are too"):
+            answer(model, TinyTokenizer(), ctx, "q", chat_template=False)
     with pytest.raises(KVMergeError, match="a Method object carries its own"):
         kvmerge.compress_context(model, TinyTokenizer(), random_ids(160), kvmerge.get_method("snapkv"), 0.1)
     with pytest.raises(KVMergeError, match="give the budget once"):
@@ -291,3 +309,16 @@ def test_a_compressed_context_reads_as_one_line():
     line = str(ctx)
     assert "\n" not in line and line.startswith("160 tokens, snapkv:") and "at budget 0.25" in line
     assert "entries per compressed layer and head" in line and line.endswith("of the full cache")
+    assert repr(ctx) == f"CompressedContext({line})"  # not the session, ids and metadata
+    _, hybrid = _context(gemma3, "snapkv")
+    assert str(hybrid).endswith("of the full cache (sliding-window layers keep their window)")
+
+
+def test_a_files_name_given_as_the_context_text_points_to_load_context(tmp_path):
+    model, ctx = _context(tiny_model, "snapkv")
+    path = str(ctx.save(tmp_path / "c.kvz"))
+    for call in (lambda: kvmerge.generate(model, TinyTokenizer(), path, "q"),
+                 lambda: kvmerge.answer_questions(model, TinyTokenizer(), path, ["q"]),
+                 lambda: kvmerge.compress_context(model, TinyTokenizer(), path)):
+        with pytest.raises(KVMergeError, match="is a compressed-context file's name, not its text: kvmerge.load_context"):
+            call()

@@ -133,6 +133,8 @@ def test_generate_and_answer_questions_without_a_method_compress_with_the_defaul
         assert out.stats["cache_entries"] < full.stats["cache_entries"]
         (answer,) = kvmerge.answer_questions(model, tok, ctx, [q], max_new_tokens=4)
         assert answer.stats["method"] == name and answer.tokens == want.tokens
+        assert kvmerge.generate(model, tok, ctx, q, "default", max_new_tokens=4).tokens == want.tokens
+        assert kvmerge.compress_context(model, tok, ctx, "default").meta["method"] == name  # the name, not "default"
         ids = kvmerge.split_prompt(tok, ctx, q)
         assert kvmerge.generate_ids(model, *ids, max_new_tokens=4, tokenizer=tok).stats["method"] == name
         assert kvmerge.answer_questions_ids(model, ids[0], [ids[1]], tokenizer=tok)[0].stats["method"] == name

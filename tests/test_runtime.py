@@ -10,7 +10,7 @@ import kvmerge
 from kvmerge.attention import biased_sdpa
 from kvmerge.cache import bytes_per_token
 
-from .conftest import next_query, random_ids, session_logits, stock_logits, tiny_model
+from .conftest import TinyTokenizer, next_query, random_ids, session_logits, stock_logits, tiny_model
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
@@ -177,6 +177,16 @@ def test_sampling_is_seeded_greedy_at_zero_temperature_and_streams(llama):
     assert out.tokens[0] == greedy[0][:3] and seen == greedy[0][:3] + ["end"]
     with pytest.raises(ValueError, match="top_p"):
         kvmerge.Sampling(temperature=1.0, top_p=0.0)
+    for options, match in [({"temperature": float("nan")}, "temperature >= 0 .finite."),
+                           ({"temperature": "0.7"}, "temperature must be a number, got '0.7'"),
+                           ({"temperature": 0.7, "top_k": 2.5}, "top_k must be a whole number"),
+                           ({"seed": 3}, "seed shapes sampling, and temperature 0 decodes greedily"),
+                           ({"top_k": 5, "top_p": 0.9}, "top_k, top_p shape sampling")]:
+        with pytest.raises(kvmerge.KVMergeError, match=match):  # the command line's rule, in Python's names
+            kvmerge.Sampling(**options)
+    for stop in ([""], "", ["a", 3]):
+        with pytest.raises(kvmerge.KVMergeError, match="stop strings must be non-empty strs"):
+            kvmerge.generate(llama, TinyTokenizer(), "a b c", "q", method="full", stop=stop)
     with pytest.raises(ValueError, match="single row"):
         kvmerge.generate_ids(llama, [ctx, ctx], [q, q], m, streamer=Streamer())
 
