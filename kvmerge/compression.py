@@ -32,8 +32,9 @@ from .session import Session
 class Compressor:
     """Sessions for the caches `model.generate` runs on inside `compressing`."""
 
-    def __init__(self, model, method: Method, tokenizer=None):
+    def __init__(self, model, method: Method, tokenizer=None, named: bool = True):
         self.model, self.method, self.tokenizer = model, method, tokenizer
+        self.named = named  # the method was asked for (not the model's default): a context of another is refused
         self._sessions: dict[int, Session] = {}  # id(cache) → its session
         self._fed: set[int] = set()  # caches that have seen a forward under generate
         self._pending = None  # (session, input ids) of a question-aware prefill in flight
@@ -43,7 +44,8 @@ class Compressor:
     @torch.no_grad()
     def prefill(self, context_ids) -> MergedCache:
         """Prefill and compress `context_ids` (one row or equal-length rows; or take a `CompressedContext`
-        as it is, its context's ids from `context.context_ids`); pass the cache to
+        as it is, its context's ids from `context.context_ids`, answered with its own method: a block
+        that names another method refuses it); pass the cache to
         `model.generate(input_ids=context + question, cache=...)`, once per question: every such call
         starts from this compressed context (the cache keeps a copy of it, restored per call)."""
         from .context import CompressedContext
@@ -75,7 +77,7 @@ class Compressor:
             if context.model is not self.model:
                 raise InputError("this compressed context belongs to another model object than the one compressing")
             made = context.meta["method"].split(":")[0]
-            if context.session.method.name != self.method.name:
+            if self.named and context.session.method.name != self.method.name:
                 raise InputError(f"this compressed context was compressed with {made} and answers with it, not with "
                                  f"this block's {self.method.name}: open kvmerge.compressing(model, "
                                  f"{context.meta['method']!r}) for it")
@@ -170,6 +172,7 @@ def compressing(model, method: Method | str | None = None, tokenizer=None, **par
     `Method`, or a name or spec with `params` (`compressing(model, "snapkv", budget=0.25)`); None: the
     default for this model (`kvmerge.defaults.default_method`: learnedzip where it has learned-scorer
     weights, else mixedmerge), with `params`."""
+    named = method is not None
     with refusing():
         if method is None:
             from .defaults import default_method
@@ -186,7 +189,7 @@ def compressing(model, method: Method | str | None = None, tokenizer=None, **par
             name = method.label
             raise InputError(f"{name} needs the model's tokenizer (sentence ends, its chat template): pass "
                              f"tokenizer=tok to kvmerge.compressing")
-    compressor = Compressor(model, method, tokenizer)
+    compressor = Compressor(model, method, tokenizer, named)
     own = vars(model).get("generate")  # an instance attribute set before, if any
     with kvmerge_attention(model):
         pre = model.register_forward_pre_hook(compressor.before_forward, with_kwargs=True)

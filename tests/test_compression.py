@@ -178,3 +178,5 @@ def test_a_compressed_context_is_refused_by_a_block_of_another_method():
         with pytest.raises(kvmerge.KVMergeError, match="compressed with learnedzip .* not with this block's snapkv: "
                            "open kvmerge.compressing"):
             kv.prefill(compressed)
+    with kvmerge.compressing(model, tokenizer=tok) as kv:  # no method asked for: the context's own answers
+        kv.prefill(compressed)
