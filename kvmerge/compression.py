@@ -76,11 +76,11 @@ class Compressor:
                                  "ids (compress with keep_ids=True), or answer with kvmerge.generate")
             if context.model is not self.model:
                 raise InputError("this compressed context belongs to another model object than the one compressing")
-            made = context.meta["method"].split(":")[0]
-            if self.named and context.session.method.name != self.method.name:
+            made, here = context.session.method.label, self.method.label  # presets by their own names
+            if self.named and made != here:
                 raise InputError(f"this compressed context was compressed with {made} and answers with it, not with "
-                                 f"this block's {self.method.name}: open kvmerge.compressing(model, "
-                                 f"{context.meta['method']!r}) for it")
+                                 f"this block's {here}: open kvmerge.compressing(model, {context.meta['method']!r}) "
+                                 "for it")
         session = context.rewind()
         self._sessions[id(session.cache)] = session
         self._contexts[id(session.cache)] = ([list(context.context_ids)], context._snapshot)
@@ -172,9 +172,9 @@ def compressing(model, method: Method | str | None = None, tokenizer=None, **par
     `Method`, or a name or spec with `params` (`compressing(model, "snapkv", budget=0.25)`); None: the
     default for this model (`kvmerge.defaults.default_method`: learnedzip where it has learned-scorer
     weights, else mixedmerge), with `params`."""
-    named = method is not None
+    named = method not in (None, "default")
     with refusing():
-        if method is None:
+        if not named:
             from .defaults import default_method
 
             method = default_method(model)

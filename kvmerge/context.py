@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .decoding import GenerationOutput, cache_stats, decode, from_context
-from .errors import InputError, ParameterTypeError, refusing
+from .errors import InputError, ParameterTypeError, one_line, refusing
 from .context_file import (ContextFileError, OtherModelError, check_file, ids_hash, layer_in, layer_out, read, state_in,
                            state_out, write)
 from .progress import bars_for
@@ -248,32 +248,40 @@ def load_context(path, model, tokenizer) -> CompressedContext:
         if meta["model"] != fingerprint(model.config):
             here = getattr(model.config, "name_or_path", "") or "this model"
             raise OtherModelError(f"{path} was made for another model ({_name(meta.get('model_name'))}, fingerprint "
-                                   f"{meta['model']}), not {_name(here)} (fingerprint {fingerprint(model.config)})")
+                                  f"{meta['model']}), not {_name(here)} (fingerprint {fingerprint(model.config)})")
         if meta["tokenizer"] != tokenizer_hash(tokenizer):
             raise OtherModelError(f"{path} was made with another tokenizer (hash {meta['tokenizer']}, this one's "
-                                   f"{tokenizer_hash(tokenizer)}): load the model's own tokenizer")
+                                  f"{tokenizer_hash(tokenizer)}): load the model's own tokenizer")
         device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
         stored = getattr(torch, meta["dtype"])
-        if stored != dtype and torch.finfo(dtype).bits < torch.finfo(stored).bits:
+        if stored != dtype and torch.finfo(dtype).bits <= torch.finfo(stored).bits:  # only widening is lossless
             raise ContextFileError(f"{path} holds {meta['dtype']} entries and the model runs in "
                                    f"{str(dtype).removeprefix('torch.')}, which would round them: load the model "
                                    f"with dtype=torch.{meta['dtype']}")
         session = Session(model, 1, get_method(meta["method"], budget=meta["budget"]), tokenizer)
-        if len(session.cache.layers) != len(meta["layers"]):
-            raise ContextFileError(f"{path} has {len(meta['layers'])} layers, the model {len(session.cache.layers)}")
+        if (len(session.cache.layers), len(session.states)) != (len(meta["layers"]), len(meta["states"])):
+            raise ContextFileError(f"{path} has {len(meta['layers'])} layers and {len(meta['states'])} layer states, "
+                                   f"the model {len(session.cache.layers)} layers")
         tensors = {k: v.to(device, dtype) if v.is_floating_point() and k.rsplit(".", 1)[-1] in ("keys", "values")
                    else v.to(device) for k, v in tensors.items()}
+        if stored != dtype:  # widened: the context now holds the model's dtype
+            meta.update(dtype=str(dtype).removeprefix("torch."),
+                        full_bytes=meta["full_bytes"] * torch.finfo(dtype).bits // torch.finfo(stored).bits)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         shape = (config.num_key_value_heads,
                  getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-        for i, (layer, m) in enumerate(zip(session.cache.layers, meta.pop("layers"))):
-            layer_in(layer, m, f"l{i}.", tensors, device, shape, path)
-        for i, (state, m) in enumerate(zip(session.states, meta.pop("states"))):
-            state_in(state, m, f"s{i}.", tensors)
-    session.seen, session.plain, session.captured = (tensors[k].cpu() for k in ("seen", "plain", "captured"))
-    ids = tensors["context_ids"].tolist() if "context_ids" in tensors else None
-    kept = [tensors[f"kept.{i}"].long().cpu() for i in range(len(session.cache.compressible))] \
-        if "kept.0" in tensors else None
+        try:
+            for i, (layer, m) in enumerate(zip(session.cache.layers, meta.pop("layers"))):
+                layer_in(layer, m, f"l{i}.", tensors, device, shape, path)
+            for i, (state, m) in enumerate(zip(session.states, meta.pop("states"))):
+                state_in(state, m, f"s{i}.", tensors)
+            session.seen, session.plain, session.captured = (tensors[k].cpu() for k in ("seen", "plain", "captured"))
+            ids = tensors["context_ids"].tolist() if "context_ids" in tensors else None
+            kept = [tensors[f"kept.{i}"].long().cpu() for i in range(len(session.cache.compressible))] \
+                if "kept.0" in tensors else None
+        except (KeyError, IndexError, AttributeError, TypeError) as e:  # a file written before its checksum
+            raise ContextFileError(f"{path} is damaged: its layers do not read back ({type(e).__name__}: "
+                                   f"{one_line(e)})") from None
     return CompressedContext(session, tokenizer, meta, ids, kept)
 
 

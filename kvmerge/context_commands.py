@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import InputError
+from .errors import InputError, one_line
 
 COMMANDS = ("compress", "ask", "inspect")  # `kvmerge NAME`, dispatched here by the command line
 
@@ -58,15 +58,15 @@ def compress(args) -> int:
     if args.context != "-" and Path(args.context).expanduser().resolve() == out.resolve():
         raise InputError(f"--out {args.out} is the --context file: writing it would destroy the text; give the .kvz "
                          "file another name")
-    if out.is_file():
+    if out.is_file() and out.stat().st_size:  # an empty file (mktemp's) may be overwritten
         from .context import check_file
         from .errors import KVMergeError
 
         try:
             check_file(out)
-        except KVMergeError:
-            raise InputError(f"--out {args.out} exists and is not a compressed context: kvmerge compress will not "
-                             "overwrite it; give another name (or remove it)") from None
+        except (KVMergeError, OSError) as e:
+            raise InputError(f"--out {args.out} exists and kvmerge compress will not overwrite it ({one_line(e)}); "
+                             "give another name, or remove it") from None
     text = read_text(args.context)
     if args.method is not None:  # checked before the model loads
         check_budget_given(args.method, args.budget)

@@ -87,7 +87,8 @@ def check_file(path) -> dict:
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise ContextFileError(f"{path} is cut off or corrupt (not a whole safetensors file: {e})") from None
     if head.get("format") != FORMAT:
-        raise ContextFileError(f"{path} is not a kvmerge compressed context (made by `kvmerge compress`)")
+        raise ContextFileError(f"{path} is not a compressed-context file (a safetensors file, but not one kvmerge "
+                               "compress --out wrote)")
     if not str(head.get("version", "")).isdigit():
         raise ContextFileError(f"{path} is damaged: its format version {head.get('version')!r} is not a number")
     if int(head["version"]) > VERSION:
@@ -119,6 +120,15 @@ def read(path, head: dict) -> tuple[dict, dict]:
                                f"({type(e).__name__}: {e})") from None
     if not isinstance(getattr(torch, meta["dtype"], None), torch.dtype) or not getattr(torch, meta["dtype"]).is_floating_point:
         raise ContextFileError(f"{path} is damaged: its dtype {meta['dtype']!r} is not a floating-point torch dtype")
+    stored = getattr(torch, meta["dtype"])
+    for name, t in tensors.items():
+        kind = name.rsplit(".", 1)[-1]
+        if kind in ("keys", "values") and t.dtype != stored:
+            raise ContextFileError(f"{path} is damaged: {name} is {str(t.dtype).removeprefix('torch.')}, its metadata "
+                                   f"says {meta['dtype']}")
+        finite = torch.isfinite(t) if kind in ("keys", "values") else t.isfinite() | (t == float("-inf"))
+        if kind in ("keys", "values", "log_n") and not bool(finite.all()):  # log_n is -inf at an empty slot
+            raise ContextFileError(f"{path} is damaged: {name} holds a NaN or an infinity")
     if "context_ids" in tensors:
         ids = tensors["context_ids"]
         if ids.dim() != 1 or len(ids) != meta["tokens"] or ids_hash(ids.tolist()) != meta["ids_hash"]:
@@ -128,16 +138,13 @@ def read(path, head: dict) -> tuple[dict, dict]:
 
 
 def _tensor(tensors: dict, name: str, shape: tuple, path) -> torch.Tensor:
-    """`tensors[name]`, refused unless it is there with `shape` (None: any size) and finite."""
+    """`tensors[name]`, refused unless it is there with `shape` (None: any size)."""
     if name not in tensors:
         raise ContextFileError(f"{path} is damaged: it has no tensor {name}")
     t = tensors[name]
     if t.dim() != len(shape) or any(want is not None and have != want for have, want in zip(t.shape, shape)):
         raise ContextFileError(f"{path} is damaged: {name} has shape {tuple(t.shape)}, this model's is "
-                               f"{tuple('n' if s is None else s for s in shape)}")
-    entries = name.rsplit(".", 1)[-1] in ("keys", "values")  # log_n is -inf at an empty slot
-    if t.is_floating_point() and (t.isnan().any() or t.isposinf().any() or (entries and t.isinf().any())):
-        raise ContextFileError(f"{path} is damaged: {name} holds a NaN or an infinity")
+                               f"({', '.join('n' if s is None else str(s) for s in shape)})")
     return t
 
 
@@ -162,7 +169,10 @@ def layer_out(layer, prefix: str, tensors: dict) -> dict:
 def layer_in(layer, meta: dict, prefix: str, tensors: dict, device, shape: tuple, path) -> None:
     """Fill `layer` from the file; `shape` is the model's `(kv_heads, head_dim)` for this layer."""
     if type(layer).__name__ != meta["type"] or (isinstance(layer, SlidingLayer) and layer.window != meta["window"]):
-        raise ContextFileError(f"the file's layer {prefix[1:-1]} is a {meta['type']}, the model's a {type(layer).__name__}")
+        def kind(name, window):
+            return f"{name} (window {window})" if window is not None else name
+        raise ContextFileError(f"{path}'s layer {prefix[1:-1]} is a {kind(meta['type'], meta.get('window'))}, the "
+                               f"model's a {kind(type(layer).__name__, getattr(layer, 'window', None))}")
     heads, dim = shape
     layer.is_initialized, layer.device = True, device
     if "heads" in meta:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 from contextlib import contextmanager
 
 
@@ -81,7 +82,7 @@ def check_chunk(chunk, sinks: int = 0, window: int = 0, what: str = "prefill chu
 def check_sampling(temperature, top_k, top_p, seed, option=str) -> None:
     """The one check of the sampling options (Python's and the command line's); `option(name)` words a
     name as the caller knows it (the command line: `--top-k`)."""
-    number, whole = (int, float), int
+    number, whole = numbers.Real, numbers.Integral
     for name, value, kind in (("temperature", temperature, number), ("top_k", top_k, whole), ("top_p", top_p, number),
                               ("seed", seed, (whole, type(None)))):
         if isinstance(value, bool) or not isinstance(value, kind):

@@ -136,8 +136,10 @@ def validate(model, context_ids, question_ids, protocol, max_new_tokens, method,
             fix = f"shorten the context to at most {room:,} tokens" + (f" or {fewer}" if longest < limit else "")
         elif longest < limit:
             fix = fewer
-        else:
+        elif limit - question > 1:
             fix = f"shorten the context to at most {limit - question - 1:,} tokens and lower max_new_tokens"
+        else:
+            fix = f"the question alone is {question:,} tokens: shorten it"
         generated = f" and up to {max_new_tokens:,} more are generated" if max_new_tokens > 1 else ""
         raise ContextTooLongError(f"the prompt is {longest:,} tokens{generated}, over the model's {limit:,} positions "
                                   f"(max_position_embeddings): {fix}")

@@ -106,7 +106,7 @@ def test_unusable_files_are_refused_in_one_line(tmp_path):
     _refused(tmp_path / "junk.kvz", model, "not a compressed-context file")
     _refused(tmp_path / "none.kvz", model, "no compressed-context file")
     _refused(_rewrite(path, tmp_path / "new.kvz", version="99"), model, "newer than this kvmerge reads")
-    _refused(_rewrite(path, tmp_path / "other.kvz", format="something"), model, "not a kvmerge compressed context")
+    _refused(_rewrite(path, tmp_path / "other.kvz", format="something"), model, "not a compressed-context file .a safetensors file")
     _refused(path, tiny_model(num_hidden_layers=3), r"made for another model .*fingerprint")
 
     class OtherTokenizer(TinyTokenizer):
@@ -163,6 +163,7 @@ def test_damaged_files_are_refused_naming_the_damage(tmp_path):
         for digest in (False, True):  # caught by the checks themselves, not only by the checksum
             _refused(_tamper(path, tmp_path / "t.kvz", change, digest), model, f"is damaged: .*{match}")
     _refused(_tamper(path, tmp_path / "t.kvz", lambda t, m: m.pop("layers"), True), model, "metadata is not")
+    _refused(_tamper(path, tmp_path / "t.kvz", lambda t, m: t.pop("seen")), model, "layers do not read back .KeyError")
     assert kvmerge.load_context(_tamper(path, tmp_path / "old.kvz"), model, TinyTokenizer()).generate_ids(Q, 4).tokens \
         == ctx.generate_ids(Q, 4).tokens  # a file without a checksum still loads
 
@@ -171,6 +172,10 @@ def test_a_lossless_dtype_is_converted_and_long_questions_are_refused(tmp_path):
     model, ctx = _context(lambda: tiny_model(dtype=torch.bfloat16), "snapkv")
     back = kvmerge.load_context(ctx.save(tmp_path / "c.kvz"), tiny_model(), TinyTokenizer())
     assert back.session.cache.layers[0].keys.dtype == torch.float32
+    assert back.meta["dtype"] == "float32" and back.meta["full_bytes"] == 2 * ctx.meta["full_bytes"]
+    again = back.save(tmp_path / "again.kvz")  # saved as what it now holds: float32, refused by a bfloat16 model
+    _refused(again, tiny_model(dtype=torch.bfloat16), "holds float32 entries .* would round them")
+    _refused(ctx.save(tmp_path / "c.kvz"), tiny_model(dtype=torch.float16), "holds bfloat16 entries .* float16")
     assert len(back.generate_ids(Q, 4).tokens[0]) == 4
     with pytest.raises(KVMergeError, match="over the model's 4,096 positions"):
         back.generate_ids(Q, 4000)
@@ -190,9 +195,9 @@ def test_the_commands_refuse_bad_files_before_any_model_loads(capsys, tmp_path, 
     fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", str(tmp_path)], "is a folder")
     fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", str(tmp_path / "ctx.txt")],
           "is the --context file")
-    (tmp_path / "notes.txt").write_text("Keep me.")
+    (tmp_path / "notes.txt").write_text("Keep me: my notes.")
     fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", str(tmp_path / "notes.txt")],
-          "exists and is not a compressed context", "will not overwrite it")
+          "exists and kvmerge compress will not overwrite it", "not a compressed-context file")
     fails(capsys, ["inspect", str(tmp_path)], "is a folder, not a compressed-context file")
     fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", "x.kvz", "--method", "snapkv:nope=1"],
           "nope")

@@ -184,6 +184,9 @@ def test_sampling_is_seeded_greedy_at_zero_temperature_and_streams(llama):
                            ({"top_k": 5, "top_p": 0.9}, "top_k, top_p shape sampling")]:
         with pytest.raises(kvmerge.KVMergeError, match=match):  # the command line's rule, in Python's names
             kvmerge.Sampling(**options)
+    import numpy as np
+
+    assert kvmerge.Sampling(np.float32(0.7), np.int64(5)).top_k == 5  # numpy numbers are numbers
     for stop in ([""], "", ["a", 3]):
         with pytest.raises(kvmerge.KVMergeError, match="stop strings must be non-empty strs"):
             kvmerge.generate(llama, TinyTokenizer(), "a b c", "q", method="full", stop=stop)
