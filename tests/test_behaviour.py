@@ -14,7 +14,8 @@ What a method decides is pinned exactly, as integers; what it computes in floats
     entries than the widest). When every count exp(log_n) of the head is a whole number, `*n` follows
     each entry whose count n is not 1; a head with fractional counts (calibrated merging) starts with
     `*x` and its counts are pinned by their sum only. The SmolLM2 fixture keeps `live`, the non-empty
-    slots per row and head, and a sha256 of the layer's strings in place of the strings;
+    slots per row and head, a sha256 of the layer's strings in place of the strings, and `picks`, per
+    row and head the token entries, the merged entries and the sum of the tokens' positions;
   - `sums`: per row and head, [Σ count, Σ‖k‖ over the keys that are no token's, Σ max(0, ‖v − v_p‖ −
     MOVED·‖v‖) over the entries whose key is token p's (values merged into a kept key), Σ‖v‖ over the
     entries whose key is no token's], over the non-empty slots, rounded to 6 significant digits and
@@ -27,7 +28,9 @@ counts at least 1e-3 off (INTEGER). An unmerged value is within 1e-7 of its toke
 merged with tiny weights can be any distance from it, so the shift sum has no step: it counts what
 exceeds MOVED (rounding) continuously. A decision that meets an exact tie which float rounding
 breaks can still differ between machines (llama|one|d2o:base=snapkv|once: at layer 0, token 52 is
-exactly as near to the kept copies of itself at 46 and 58).
+exactly as near to the kept copies of itself at 46 and 58). On the real model a decision near a tie
+can flip too: its rows pin entry counts and answers exactly, and the picks and sums to a tolerance
+(REAL_RTOL, PICKS).
 
 A refactor of the runtime must leave every row as pinned; a change that is meant to change behaviour
 regenerates the fixture in its own commit and says why (`python -m tests.test_behaviour`, and
@@ -58,6 +61,11 @@ MATCH = 1e-4  # relative L2 distance under which a kept key is its source token'
 MOVED = 1e-5  # relative L2 distance under which a kept key's value counts as unmoved (rounding)
 INTEGER = 1e-4  # a head whose counts are all within this of whole numbers (log space) pins them one by one
 RTOL, ATOL = 1e-3, 1e-4  # the tolerance on `sums` (float noise across machines is ~1e-6 relative)
+# The real model's scores pass through 30 layers: on another CPU its float noise reaches 1e-3 of a sum, and a
+# decision near a tie can flip (3 of 84 rows, 2026-12-06, the fixture's own commit run on an AMD EPYC). Its
+# rows pin the picks' counts and the sum of their positions to PICKS where a layer's hash differs, its sums
+# to REAL_RTOL (FLIPPED_RTOL in a layer where a decision flipped: what follows a flip differs too).
+REAL_RTOL, FLIPPED_RTOL, PICKS = 1e-2, 5e-2, 0.02
 SUMS = ("sum of counts", "sum of merged key norms", "sum of kept keys' value shifts", "sum of merged keys' value norms")
 
 # (model, spec): every registered method with its defaults, the presets' variants and the allocation
@@ -159,15 +167,17 @@ def _layer(kv, appended) -> tuple[list[str], list[list[float]]]:
 
 
 def _pin(session, appended, compact: bool) -> dict:
-    """`{layer index: {"slots", "sums"}}` for each compressed layer (`compact`: the slots as a hash and
-    the live counts)."""
+    """`{layer index: {"slots", "sums"}}` for each compressed layer (`compact`: the slots as a hash, the
+    live counts and per row and head the picks: token entries, merged entries, their positions' sum)."""
     out = {}
     for i in session.cache.compressible:
         slots, sums = _layer(session.cache.layers[i].kv(), appended[i])
         if compact:
             live = [sum(t not in ("_", "*x") for t in s.split()) for s in slots]
+            tokens = [[int(t.split("*")[0]) for t in s.split() if t[0].isdigit()] for s in slots]
+            picks = [[len(p), sum(t[0] == "~" for t in s.split()), sum(p)] for p, s in zip(tokens, slots)]
             out[str(i)] = {"live": live, "slots": hashlib.sha256("\n".join(slots).encode()).hexdigest()[:16],
-                           "sums": sums}
+                           "picks": picks, "sums": sums}
         else:
             out[str(i)] = {"slots": slots, "sums": sums}
     return out
@@ -214,10 +224,16 @@ def differences(got: dict, pinned: dict) -> list[str]:
         return out + [f"compressed layers: pinned {list(pinned['layers'])}, got {list(got['layers'])}"]
     for i, (mine, theirs) in ((i, (got["layers"][i], pinned["layers"][i])) for i in got["layers"]):
         heads = len(theirs["sums"]) // len(got["tokens"])
-        if "live" in theirs:  # hashed
-            if mine["live"] != theirs["live"] or mine["slots"] != theirs["slots"]:
-                out.append(f"layer {i}: the kept entries differ (non-empty slots per row and head: pinned "
-                           f"{theirs['live']}, got {mine['live']})")
+        rtol = RTOL
+        if "live" in theirs:  # hashed: the real model's rows
+            rtol = REAL_RTOL if mine["slots"] == theirs["slots"] else FLIPPED_RTOL
+            if mine["live"] != theirs["live"]:
+                out.append(f"layer {i}: the non-empty slots per row and head differ: pinned {theirs['live']}, got "
+                           f"{mine['live']}")
+            elif mine["slots"] != theirs["slots"]:
+                out += [f"layer {i} {_where(j, heads)}: the picks differ beyond a near tie (token entries, merged "
+                        f"entries, sum of their positions: pinned {b}, got {a})"
+                        for j, (a, b) in enumerate(zip(mine["picks"], theirs["picks"])) if not near_tie(a, b)]
         else:
             for j, (a, b) in enumerate(zip(mine["slots"], theirs["slots"])):
                 a, b = a.split(), b.split()
@@ -229,10 +245,16 @@ def differences(got: dict, pinned: dict) -> list[str]:
                                + (f" (and {len(diff) - 6} more)" if len(diff) > 6 else ""))
         for j, (a, b) in enumerate(zip(mine["sums"], theirs["sums"])):
             for name, x, y in zip(SUMS, a, b):
-                if not math.isclose(x, y, rel_tol=RTOL, abs_tol=ATOL):
+                if not math.isclose(x, y, rel_tol=rtol, abs_tol=ATOL):
                     out.append(f"layer {i} {_where(j, heads)}: {name} pinned {y}, got {x} "
-                               f"(relative difference {abs(x - y) / max(abs(y), 1e-30):.2g} > {RTOL})")
+                               f"(relative difference {abs(x - y) / max(abs(y), 1e-30):.2g} > {rtol})")
     return out
+
+
+def near_tie(got: list[int], pinned: list[int]) -> bool:
+    """Whether one head's picks `[token entries, merged entries, sum of the tokens' positions]` differ
+    by what a few decisions flipped near a tie move: each within PICKS (at least 2 entries)."""
+    return all(abs(a - b) <= max(2 if k < 2 else 0, PICKS * abs(b)) for k, (a, b) in enumerate(zip(got, pinned)))
 
 
 @functools.cache
@@ -260,6 +282,23 @@ REAL_CASES = [pytest.param(c, marks=pytest.mark.ci_slow if c[2] in REAL_CI else 
 @pytest.mark.parametrize("case", REAL_CASES, ids=[_key(*c.values[0]) for c in REAL_CASES])
 def test_behaviour_on_smollm2_is_pinned(case):
     _check(REAL_FIXTURE, case)
+
+
+def test_the_real_rows_tolerate_a_flip_near_a_tie_and_nothing_more():
+    """A real-model row compared as another CPU would give it: one pick moved to a neighbour passes;
+    a tenth of the picks moved, a count changed, or a sum off by 10% does not."""
+    pinned = {"entries": [9], "tokens": [[1, 2]], "layers": {"3": {
+        "live": [100], "slots": "aaaa", "picks": [[90, 10, 4500]], "sums": [[400.0, 5.0, 7.0, 3.0]]}}}
+
+    def got(picks, sums=(400.0, 5.0, 7.0, 3.0), slots="bbbb", live=100):
+        return {**pinned, "layers": {"3": {"live": [live], "slots": slots, "picks": [picks], "sums": [list(sums)]}}}
+    assert differences(got([90, 10, 4500], slots="aaaa"), pinned) == []
+    assert differences(got([90, 10, 4501]), pinned) == []  # token 50 kept in place of 49
+    assert differences(got([89, 11, 4470], (410.0, 5.1, 7.0, 3.0)), pinned) == []  # and a merge flipped
+    assert differences(got([90, 10, 4500], (400.0, 5.0, 7.2, 3.0), slots="aaaa"), pinned)  # 3% off, nothing flipped
+    for bad in (got([90, 10, 4950]), got([80, 20, 4000]), got([90, 10, 4500], (440.0, 5.0, 7.0, 3.0)),
+                got([90, 10, 4500], live=99)):
+        assert differences(bad, pinned)
 
 
 def dumps(rows: dict) -> str:
