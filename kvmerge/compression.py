@@ -77,6 +77,10 @@ class Compressor:
             if context.model is not self.model:
                 raise InputError("this compressed context belongs to another model object than the one compressing")
             made, here = context.session.method.label, self.method.label  # presets by their own names
+            if self.named and made == here and context.meta["budget"] != self.method.budget:
+                raise InputError(f"this compressed context was compressed at budget {context.meta['budget']} and "
+                                 f"answers so, not at this block's {self.method.budget}: open kvmerge.compressing("
+                                 f"model, {context.meta['method']!r}, budget={context.meta['budget']}) for it")
             if self.named and made != here:
                 raise InputError(f"this compressed context was compressed with {made} and answers with it, not with "
                                  f"this block's {here}: open kvmerge.compressing(model, {context.meta['method']!r}) "

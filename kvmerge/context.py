@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .decoding import GenerationOutput, cache_stats, decode, from_context
-from .errors import InputError, ParameterTypeError, one_line, refusing
+from .errors import InputError, KVMergeError, ParameterTypeError, one_line, refusing
 from .context_file import (ContextFileError, OtherModelError, check_file, ids_hash, layer_in, layer_out, read, state_in,
                            state_out, write)
 from .progress import bars_for
@@ -258,7 +258,11 @@ def load_context(path, model, tokenizer) -> CompressedContext:
             raise ContextFileError(f"{path} holds {meta['dtype']} entries and the model runs in "
                                    f"{str(dtype).removeprefix('torch.')}, which would round them: load the model "
                                    f"with dtype=torch.{meta['dtype']}")
-        session = Session(model, 1, get_method(meta["method"], budget=meta["budget"]), tokenizer)
+        try:
+            method = get_method(meta["method"], budget=meta["budget"])
+        except KVMergeError as e:
+            raise ContextFileError(f"{path} names a method this kvmerge cannot build: {one_line(e)}") from None
+        session = Session(model, 1, method, tokenizer)
         if (len(session.cache.layers), len(session.states)) != (len(meta["layers"]), len(meta["states"])):
             raise ContextFileError(f"{path} has {len(meta['layers'])} layers and {len(meta['states'])} layer states, "
                                    f"the model {len(session.cache.layers)} layers")

@@ -13,12 +13,10 @@ COMMANDS = ("compress", "ask", "inspect")  # `kvmerge NAME`, dispatched here by 
 
 def _file(name: str) -> tuple[Path, dict]:
     """The file and its metadata, checked before any model loads."""
-    import json
-
-    from .context import check_file
+    from .context_file import check_file, metadata
 
     path = Path(name).expanduser()
-    return path, json.loads(check_file(path)["meta"])
+    return path, metadata(path, check_file(path))
 
 
 def _model_of(args, meta: dict | None = None):

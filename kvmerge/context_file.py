@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from .errors import InputError, KVMergeError
+from .errors import InputError, KVMergeError, one_line
 from .files import publish
 from .layer import MergedLayer
 from .sliding import SlidingLayer
 
-FORMAT, VERSION = "kvmerge-context", 1
+FORMAT, VERSION = "kvmerge-context", 2  # 2: a checksum in every file (1: none)
 
 
 class ContextFileError(KVMergeError, ValueError):
@@ -97,6 +97,26 @@ def check_file(path) -> dict:
     return head
 
 
+REQUIRED = {"model": str, "tokenizer": str, "tokens": int, "dtype": str, "layers": list, "states": list,
+            "method": str, "budget": (int, float), "ids_hash": str, "chat_template": bool, "full_bytes": int}
+
+
+def metadata(path, head: dict) -> dict:
+    """The file's metadata JSON (from `check_file`'s header), refused unless it holds every field a
+    compressed context needs, of its type."""
+    try:
+        meta = json.loads(head["meta"])
+        if not isinstance(meta, dict):
+            raise TypeError(f"it is a {type(meta).__name__}")
+        for key, kind in REQUIRED.items():
+            if isinstance(meta[key], bool) and kind is not bool or not isinstance(meta[key], kind):
+                raise TypeError(f"{key} is a {type(meta[key]).__name__}")
+    except (KeyError, TypeError, ValueError) as e:
+        raise ContextFileError(f"{path} is damaged: its metadata is not a compressed context's "
+                               f"({type(e).__name__}: {one_line(e)})") from None
+    return meta
+
+
 def read(path, head: dict) -> tuple[dict, dict]:
     """The tensors (on the CPU) and metadata of the file `check_file` accepted, the digest checked."""
     from safetensors import SafetensorError, safe_open
@@ -106,18 +126,13 @@ def read(path, head: dict) -> tuple[dict, dict]:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise ContextFileError(f"{path} is cut off or corrupt (not a whole safetensors file: {e})") from None
+    if "digest" not in head and int(head["version"]) >= 2:
+        raise ContextFileError(f"{path} is damaged: its checksum is missing (format version {head['version']} writes "
+                               "one); compress the context again")
     if "digest" in head and digest(head.get("meta", ""), tensors) != head["digest"]:
         raise ContextFileError(f"{path} is damaged: its contents changed after it was saved (the checksum does not "
                                "match); compress the context again")
-    try:
-        meta = json.loads(head["meta"])
-        for key, kind in (("model", str), ("tokenizer", str), ("tokens", int), ("dtype", str), ("layers", list),
-                          ("states", list), ("method", str), ("ids_hash", str)):
-            if not isinstance(meta[key], kind):
-                raise TypeError(f"{key} is a {type(meta[key]).__name__}")
-    except (KeyError, TypeError, ValueError) as e:
-        raise ContextFileError(f"{path} is damaged: its metadata is not a compressed context's "
-                               f"({type(e).__name__}: {e})") from None
+    meta = metadata(path, head)
     if not isinstance(getattr(torch, meta["dtype"], None), torch.dtype) or not getattr(torch, meta["dtype"]).is_floating_point:
         raise ContextFileError(f"{path} is damaged: its dtype {meta['dtype']!r} is not a floating-point torch dtype")
     stored = getattr(torch, meta["dtype"])
@@ -129,6 +144,15 @@ def read(path, head: dict) -> tuple[dict, dict]:
         finite = torch.isfinite(t) if kind in ("keys", "values") else t.isfinite() | (t == float("-inf"))
         if kind in ("keys", "values", "log_n") and not bool(finite.all()):  # log_n is -inf at an empty slot
             raise ContextFileError(f"{path} is damaged: {name} holds a NaN or an infinity")
+    for name in ("seen", "plain", "captured"):
+        t = tensors.get(name)
+        if t is None or t.shape != (1,) or t.is_floating_point() or not 0 <= int(t[0]) <= meta["tokens"]:
+            raise ContextFileError(f"{path} is damaged: its counter {name} is not a position within its "
+                                   f"{meta['tokens']:,} tokens")
+    for name, t in tensors.items():
+        if name.startswith("kept.") and (t.is_floating_point() or t.numel() and not (-2 <= int(t.min()) and
+                                                                                      int(t.max()) < meta["tokens"])):
+            raise ContextFileError(f"{path} is damaged: {name} names positions outside its {meta['tokens']:,} tokens")
     if "context_ids" in tensors:
         ids = tensors["context_ids"]
         if ids.dim() != 1 or len(ids) != meta["tokens"] or ids_hash(ids.tolist()) != meta["ids_hash"]:
@@ -137,13 +161,13 @@ def read(path, head: dict) -> tuple[dict, dict]:
     return tensors, meta
 
 
-def _tensor(tensors: dict, name: str, shape: tuple, path) -> torch.Tensor:
+def _tensor(tensors: dict, name: str, shape: tuple, path, whose: str = "for this model it") -> torch.Tensor:
     """`tensors[name]`, refused unless it is there with `shape` (None: any size)."""
     if name not in tensors:
         raise ContextFileError(f"{path} is damaged: it has no tensor {name}")
     t = tensors[name]
     if t.dim() != len(shape) or any(want is not None and have != want for have, want in zip(t.shape, shape)):
-        raise ContextFileError(f"{path} is damaged: {name} has shape {tuple(t.shape)}, this model's is "
+        raise ContextFileError(f"{path} is damaged: {name} has shape {tuple(t.shape)}, {whose} must be "
                                f"({', '.join('n' if s is None else str(s) for s in shape)})")
     return t
 
@@ -185,14 +209,19 @@ def layer_in(layer, meta: dict, prefix: str, tensors: dict, device, shape: tuple
             layer_in(head, m, f"{prefix}h{i}.", tensors, device, (1, dim), path)
             parts.append(head)
         live = _tensor(tensors, prefix + "live", (heads, None), path)
+        extra = {head.keys.shape[2] - k for head, k in zip(parts, meta["kept"])}  # slots appended after compression
+        if live.dtype != torch.bool or live.sum(1).tolist() != meta["kept"] or len(extra) != 1 or min(extra) < 0:
+            raise ContextFileError(f"{path} is damaged: layer {prefix[1:-1]}'s heads do not hold the entries its "
+                                   f"slot map ({prefix}live) and counts say")
         layer.heads, layer._live, layer._kept = parts, live, meta["kept"]
         layer._keys = layer._values = layer._log_n = None
         layer._length = 0
     else:
         keys = _tensor(tensors, prefix + "keys", (1, heads, None, dim), path)
         n = keys.shape[2]
-        values = _tensor(tensors, prefix + "values", (1, heads, n, dim), path)
-        log_n = _tensor(tensors, prefix + "log_n", (1, heads, n), path) if prefix + "log_n" in tensors else None
+        whose = f"to match {prefix}keys it"
+        values = _tensor(tensors, prefix + "values", (1, heads, n, dim), path, whose)
+        log_n = _tensor(tensors, prefix + "log_n", (1, heads, n), path, whose) if prefix + "log_n" in tensors else None
         layer.replace(keys, values, log_n, fit=True)
     if isinstance(layer, SlidingLayer):
         layer.held, layer.positions = meta["held"], tensors.get(prefix + "positions")
@@ -216,6 +245,9 @@ def state_out(state, prefix: str, tensors: dict, scratch: bool) -> dict:
 
 
 def state_in(state, meta: dict, prefix: str, tensors: dict) -> None:
+    for key, kind in (("compressed_at", int), ("scaling", (int, float)), ("extra", int)):
+        if isinstance(meta[key], bool) or not isinstance(meta[key], kind):
+            raise TypeError(f"layer state {prefix[1:-1]}'s {key} is {meta[key]!r}")
     state.compressed_at, state.scaling, state.extra = meta["compressed_at"], meta["scaling"], meta["extra"]
     state.targets = tensors[prefix + "targets"].cpu() if prefix + "targets" in tensors else None
     state.scratch = {k: tensors[f"{prefix}scratch.{k}"] if v is None else v for k, v in meta["scratch"].items()}

@@ -217,8 +217,8 @@ def _compressed_already(context, method, budget, prefill_chunk, protocol="agnost
     given = [name for name, v in (("method", method), ("budget", budget), ("prefill_chunk", prefill_chunk))
              if v is not None]
     if given:
-        raise ParameterTypeError(f"a compressed context is answered as it was compressed: {', '.join(given)} "
-                                 "goes to compress_context")
+        raise InputError(f"a compressed context is answered as it was compressed: {', '.join(given)} goes to "
+                         "compress_context")
     if protocol != "agnostic":
         raise InputError(f"a compressed context was compressed before any question (protocol 'agnostic'), got "
                          f"protocol={protocol!r}: to compress the question with it, pass the context's text")

@@ -182,6 +182,9 @@ def test_a_compressed_context_is_refused_by_a_block_of_another_method():
         kv.prefill(compressed)
     with kvmerge.compressing(model, "default", tokenizer=tok) as kv:
         kv.prefill(compressed)
+    with kvmerge.compressing(model, "learnedzip", budget=0.5) as kv:
+        with pytest.raises(kvmerge.KVMergeError, match="compressed at budget 0.25 and answers so, not at this block's 0.5"):
+            kv.prefill(compressed)
     preset = kvmerge.compress_context(model, tok, random_ids(160, seed=1), "mixedmerge:window=8", 0.25)
     with kvmerge.compressing(model, "zipguardmerge", budget=0.25, tokenizer=tok) as kv:  # presets, by their names
         with pytest.raises(kvmerge.KVMergeError, match="compressed with mixedmerge .* not with this block's zipguardmerge"):

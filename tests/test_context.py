@@ -118,7 +118,7 @@ def test_unusable_files_are_refused_in_one_line(tmp_path):
 
 def _tamper(path, out, change=lambda tensors, meta: None, digest=False):
     """`path` rewritten to `out` with `change(tensors, meta)` applied; its checksum recomputed when
-    `digest`, else dropped (a file from before checksums)."""
+    `digest`, else dropped, as format version 1 wrote files (before checksums)."""
     from kvmerge.context_file import digest as checksum
 
     with safe_open(str(path), "pt") as f:
@@ -129,6 +129,8 @@ def _tamper(path, out, change=lambda tensors, meta: None, digest=False):
     head.pop("digest")
     if digest:
         head["digest"] = checksum(head["meta"], tensors)
+    else:
+        head["version"] = "1"  # a file from before checksums
     save_file(tensors, str(out), metadata=head)
     return out
 
@@ -157,13 +159,44 @@ def test_damaged_files_are_refused_naming_the_damage(tmp_path):
     def gone(t, m):
         del t["l1.log_n"], t["l1.keys"]
 
-    for change, match in [(nan, "l1.keys holds a NaN"), (short, r"l0.values has shape \(1, 2, 39, 16\), this model's "
-                          r"is \(1, 2, 40, 16\)"), (ids, "context_ids are not the 160 tokens"),
+    for change, match in [(nan, "l1.keys holds a NaN"), (short, r"l0.values has shape \(1, 2, 39, 16\), to match "
+                          r"l0.keys it must be \(1, 2, 40, 16\)"), (ids, "context_ids are not the 160 tokens"),
                           (dtype, "dtype 'bogus' is not a floating-point"), (gone, "it has no tensor l1.keys")]:
         for digest in (False, True):  # caught by the checks themselves, not only by the checksum
             _refused(_tamper(path, tmp_path / "t.kvz", change, digest), model, f"is damaged: .*{match}")
     _refused(_tamper(path, tmp_path / "t.kvz", lambda t, m: m.pop("layers"), True), model, "metadata is not")
-    _refused(_tamper(path, tmp_path / "t.kvz", lambda t, m: t.pop("seen")), model, "layers do not read back .KeyError")
+    _refused(_tamper(path, tmp_path / "t.kvz", lambda t, m: t.pop("seen")), model, "counter seen is not a position")
+    with safe_open(str(path), "pt") as f:
+        head, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    head.pop("digest")  # a version 2 file with its checksum taken out
+    save_file(tensors, str(tmp_path / "stripped.kvz"), metadata=head)
+    _refused(tmp_path / "stripped.kvz", model, "its checksum is missing .format version 2 writes one")
+
+    def seen(t, m):
+        t["seen"][0] = 10 ** 9
+
+    def kept(t, m):
+        t["kept.0"][0, 0] = 10 ** 5
+
+    def template(t, m):
+        del m["chat_template"]
+
+    def method(t, m):
+        m["method"] = "bogus"
+
+    def scaling(t, m):
+        m["states"][0]["scaling"] = "x"
+    for change, match in [(seen, "counter seen is not a position within its 160 tokens"),
+                          (kept, "kept.0 names positions outside its 160 tokens"),
+                          (template, "metadata is not a compressed context's .KeyError: chat_template"),
+                          (method, "names a method this kvmerge cannot build: unknown method 'bogus'"),
+                          (scaling, "layers do not read back .TypeError: layer state 0's scaling is 'x'")]:
+        _refused(_tamper(path, tmp_path / "t.kvz", change), model, match)
+    _, ragged = _context(tiny_model, "snapkv:alloc=head")
+
+    def live(t, m):
+        t["l0.live"][:] = False
+    _refused(_tamper(ragged.save(tmp_path / "r.kvz"), tmp_path / "t.kvz", live), model, "layer 0's heads do not hold the entries its slot map")
     assert kvmerge.load_context(_tamper(path, tmp_path / "old.kvz"), model, TinyTokenizer()).generate_ids(Q, 4).tokens \
         == ctx.generate_ids(Q, 4).tokens  # a file without a checksum still loads
 
@@ -199,6 +232,10 @@ def test_the_commands_refuse_bad_files_before_any_model_loads(capsys, tmp_path, 
     fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", str(tmp_path / "notes.txt")],
           "exists and kvmerge compress will not overwrite it", "not a compressed-context file")
     fails(capsys, ["inspect", str(tmp_path)], "is a folder, not a compressed-context file")
+    _, ctx = _context(tiny_model, "snapkv")
+    broken = _rewrite(ctx.save(tmp_path / "b.kvz"), tmp_path / "broken.kvz", meta="{")
+    for command in (["ask", str(broken), "--question", "Why?"], ["inspect", str(broken)]):
+        fails(capsys, command, "broken.kvz is damaged: its metadata is not a compressed context's")
     fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", "x.kvz", "--method", "snapkv:nope=1"],
           "nope")
     _, ctx = _context(tiny_model, "snapkv")
