@@ -141,8 +141,10 @@ def read(path, head: dict) -> tuple[dict, dict]:
         if kind in ("keys", "values") and t.dtype != stored:
             raise ContextFileError(f"{path} is damaged: {name} is {str(t.dtype).removeprefix('torch.')}, its metadata "
                                    f"says {meta['dtype']}")
-        finite = torch.isfinite(t) if kind in ("keys", "values") else t.isfinite() | (t == float("-inf"))
-        if kind in ("keys", "values", "log_n") and not bool(finite.all()):  # log_n is -inf at an empty slot
+        if kind not in ("keys", "values", "log_n"):
+            continue
+        finite = torch.isfinite(t) if kind != "log_n" else t.isfinite() | (t == float("-inf"))  # -inf: an empty slot
+        if not bool(finite.all()):
             raise ContextFileError(f"{path} is damaged: {name} holds a NaN or an infinity")
     for name in ("seen", "plain", "captured"):
         t = tensors.get(name)
