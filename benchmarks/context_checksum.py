@@ -1,5 +1,5 @@
 """What the compressed-context file's checks cost: `kvmerge.load_context` of one file with its checksum
-against the same file without it (as written before checksums: shapes, NaNs and ids still checked),
+against the same file without it (as format version 1 wrote it: the other checks still run),
 alternating, median of `--repeats` loads each. One JSON line per model × length.
 
     python benchmarks/context_checksum.py --model smollm2-135m --lengths 2048,8000 --method snapkv
@@ -24,7 +24,7 @@ def without_checksum(path: Path, out: Path) -> Path:
     with safe_open(str(path), "pt") as f:
         head, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     head.pop("digest")
-    save_file(tensors, str(out), metadata=head)
+    save_file(tensors, str(out), metadata={**head, "version": "1"})  # as written before checksums
     return out
 
 
