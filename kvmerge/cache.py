@@ -96,9 +96,14 @@ def stock_cache_bytes(config, dtype: torch.dtype, n_tokens: int, layers: list[in
     return per_layer * sum(n_tokens if windows[i] is None else min(n_tokens, windows[i] - 1) for i in layers)
 
 
+def kv_shape(config) -> tuple[int, int]:
+    """`(kv_heads, head_dim)` of each layer's cache."""
+    config = config.get_text_config(decoder=True)
+    return config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def bytes_per_token(config, dtype: torch.dtype) -> int:
     """Bytes one uncompressed token takes in the cache across all layers (keys + values)."""
-    config = config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads, head_dim = kv_shape(config)
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elem
+    return 2 * config.get_text_config(decoder=True).num_hidden_layers * heads * head_dim * elem

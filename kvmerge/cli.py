@@ -10,6 +10,7 @@ before the model loads. `--help` and `methods` import neither torch nor transfor
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -154,7 +155,8 @@ def _number(kind, low=None, high=None, low_open=False, what="a number"):
             value = kind(text)
         except ValueError:
             value = None
-        bad = value is None or value != value or value in (float("inf"), float("-inf")) or (low is not None and (value <= low if low_open else value < low)) or \
+        bad = value is None or not math.isfinite(value) or \
+            (low is not None and (value <= low if low_open else value < low)) or \
             (high is not None and value > high)
         if bad:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")

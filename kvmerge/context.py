@@ -235,6 +235,7 @@ def load_context(path, model, tokenizer) -> CompressedContext:
     (a `KVMergeError`) before any forward when the file is not one, is cut off, damaged (its checksum,
     shapes or ids) or of a newer format, or was made for another model or tokenizer; its tensors go to
     the model's device, converted to the model's dtype where that loses nothing."""
+    from .cache import kv_shape
     from .methods import get_method
     from .scorer import fingerprint
 
@@ -271,9 +272,7 @@ def load_context(path, model, tokenizer) -> CompressedContext:
         if stored != dtype:  # widened: the context now holds the model's dtype
             meta.update(dtype=str(dtype).removeprefix("torch."),
                         full_bytes=meta["full_bytes"] * torch.finfo(dtype).bits // torch.finfo(stored).bits)
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        shape = (config.num_key_value_heads,
-                 getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        shape = kv_shape(model.config)
         try:
             for i, (layer, m) in enumerate(zip(session.cache.layers, meta.pop("layers"))):
                 layer_in(layer, m, f"l{i}.", tensors, device, shape, path)

@@ -57,7 +57,7 @@ def compress(args) -> int:
         raise InputError(f"--out {args.out} is the --context file: writing it would destroy the text; give the .kvz "
                          "file another name")
     if out.is_file() and out.stat().st_size:  # an empty file (mktemp's) may be overwritten
-        from .context import check_file
+        from .context_file import check_file
         from .errors import KVMergeError
 
         try:

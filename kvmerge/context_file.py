@@ -66,11 +66,20 @@ def write(path, tensors: dict, meta: dict) -> Path:
     return publish(tmp, path)
 
 
+def _opened(path, take):
+    """`take(f)` of the safetensors file at `path`; a `ContextFileError` when it is not a whole one."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return take(f)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ContextFileError(f"{path} is cut off or corrupt (not a whole safetensors file: {e})") from None
+
+
 def check_file(path) -> dict:
     """The metadata of a compressed-context file, read without its tensors; a `ContextFileError` when
     it is missing, not a whole safetensors file, not a kvmerge context or of a newer format."""
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
     if path.is_dir():
         raise InputError(f"{path} is a folder, not a compressed-context file (kvmerge compress --out writes one)")
@@ -81,11 +90,7 @@ def check_file(path) -> dict:
     if len(start) == 9 and start[8:9] != b"{":  # a safetensors file opens with its header's length, then JSON
         raise ContextFileError(f"{path} is not a compressed-context file (kvmerge compress --out writes one; a text "
                                "file goes to kvmerge generate --context)")
-    try:
-        with safe_open(str(path), "pt") as f:
-            head = f.metadata() or {}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise ContextFileError(f"{path} is cut off or corrupt (not a whole safetensors file: {e})") from None
+    head = _opened(path, lambda f: f.metadata() or {})
     if head.get("format") != FORMAT:
         raise ContextFileError(f"{path} is not a compressed-context file (a safetensors file, but not one kvmerge "
                                "compress --out wrote)")
@@ -119,13 +124,7 @@ def metadata(path, head: dict) -> dict:
 
 def read(path, head: dict) -> tuple[dict, dict]:
     """The tensors (on the CPU) and metadata of the file `check_file` accepted, the digest checked."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), "pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise ContextFileError(f"{path} is cut off or corrupt (not a whole safetensors file: {e})") from None
+    tensors = _opened(path, lambda f: {k: f.get_tensor(k) for k in f.keys()})
     if "digest" not in head and int(head["version"]) >= 2:
         raise ContextFileError(f"{path} is damaged: its checksum is missing (format version {head['version']} writes "
                                "one); compress the context again")
