@@ -181,11 +181,17 @@ def sampling(args) -> dict:
 
 
 def quiet_loading(args) -> None:
-    """With --no-progress, transformers' own bars (loading the weights) stay off too."""
+    """With --no-progress, transformers' own bars stay off too: loading the weights, and converting a GGUF file
+    (a plain tqdm there, which transformers' switch does not reach)."""
     if getattr(args, "no_progress", False):
+        import functools
+
+        import transformers.modeling_gguf_pytorch_utils as gguf
+        from tqdm.auto import tqdm
         from transformers.utils import logging
 
         logging.disable_progress_bar()
+        gguf.tqdm = functools.partial(tqdm, disable=True)
 
 
 def device(name: str | None) -> None:

@@ -403,3 +403,20 @@ def test_the_default_method_has_its_name_on_the_command_line_too():
 
     assert _parser().parse_args(G + ["--method", "default"]).method is None
     assert _parser().parse_args(["compress", "--context", "c.txt", "--out", "c.kvz", "--method", "default"]).method is None
+
+
+def test_no_progress_silences_transformers_bars(monkeypatch):
+    """--no-progress reaches the GGUF conversion's plain tqdm bar as well as transformers' own switch."""
+    import argparse
+
+    import transformers.modeling_gguf_pytorch_utils as gguf
+    from transformers.utils import logging
+
+    from kvmerge.commands import quiet_loading
+
+    monkeypatch.setattr(gguf, "tqdm", gguf.tqdm)  # restored after the test
+    monkeypatch.setattr(logging, "_tqdm_active", logging.is_progress_bar_enabled())
+    quiet_loading(argparse.Namespace(no_progress=False))
+    assert not gguf.tqdm([1], file=open(os.devnull, "w")).disable
+    quiet_loading(argparse.Namespace(no_progress=True))
+    assert gguf.tqdm([1]).disable and not logging.is_progress_bar_enabled()
