@@ -74,7 +74,26 @@ def _opened(path, take):
         with safe_open(str(path), "pt") as f:
             return take(f)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        extra = _bytes_after_end(path)
+        if extra:
+            raise ContextFileError(f"{path} has {extra:,} bytes after its end (something was appended to it): "
+                                   "compress the context again") from None
         raise ContextFileError(f"{path} is cut off or corrupt (not a whole safetensors file: {e})") from None
+
+
+def _bytes_after_end(path) -> int:
+    """How many bytes `path` holds beyond the end its safetensors header declares (0 when none or unreadable)."""
+    try:
+        total = Path(path).stat().st_size
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if size > total:
+                return 0
+            header = json.loads(f.read(size))
+        end = 8 + size + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return max(total - end, 0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return 0
 
 
 def check_file(path) -> dict:

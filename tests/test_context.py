@@ -102,6 +102,8 @@ def test_unusable_files_are_refused_in_one_line(tmp_path):
     data = path.read_bytes()
     (tmp_path / "cut.kvz").write_bytes(data[: len(data) // 2])
     _refused(tmp_path / "cut.kvz", model, "cut off or corrupt")
+    (tmp_path / "longer.kvz").write_bytes(data + b"junk")
+    _refused(tmp_path / "longer.kvz", model, "has 4 bytes after its end")
     (tmp_path / "junk.kvz").write_bytes(b"\x00" * 64)
     _refused(tmp_path / "junk.kvz", model, "not a compressed-context file")
     _refused(tmp_path / "none.kvz", model, "no compressed-context file")
