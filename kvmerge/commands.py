@@ -299,7 +299,9 @@ def train_scorer(args) -> int:
         if out.suffix != ".safetensors":
             raise InputError(f"--out {args.out}: name the weights file NAME.safetensors (learnedzip looks for those)")
     quiet_loading(args)
-    from .scorer import Scorer, search_folders
+    from .scorer import Scorer, check_destination, search_folders
+
+    check_destination(out)
     from .train_scorer import main as train
 
     start, bar = time.perf_counter(), None

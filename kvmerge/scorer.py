@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -266,6 +267,34 @@ def _read(path: Path, tensors: bool = True, anonymous: bool = False) -> tuple[di
     return meta, out
 
 
+def check_destination(out: Path | None) -> None:
+    """Refuse, before any training, a weights file `train-scorer` could not write or must not replace:
+    `out` (None: the cache's scorers folder) in a folder this process cannot write, or an existing
+    file that is not scorer weights (a model's own weights, say)."""
+    import os
+
+    from .model import cache_dir
+
+    folder = out.parent if out is not None else cache_dir() / "scorers"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"cannot make the folder {folder} for the scorer's weights ({one_line(e)}): "
+                         + ("give --out in a folder you can write" if out is not None else
+                            "set KVMERGE_CACHE to a folder you can write, or give --out")) from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"cannot write in {folder}: give --out in a folder you can write"
+                         + ("" if out is not None else ", or set KVMERGE_CACHE"))
+    if out is not None and out.exists():
+        try:
+            meta, _ = _read(out, tensors=False)
+        except InputError:
+            meta = {}
+        if "model" not in meta:
+            raise InputError(f"--out {out} exists and is not scorer weights `kvmerge train-scorer` wrote: "
+                             "give a new file name (it would be overwritten)")
+
+
 TRAINING_TIME = "4–8 minutes for the bundled models on 2 CPU cores, more in proportion to a model's prefill"
 
 
@@ -302,10 +331,13 @@ def search_folders() -> list[Path]:
     return [Path(p) for p in os.environ.get("KVMERGE_SCORERS", "").split(os.pathsep) if p] + [SHIPPED]
 
 
+_skipped: set[Path] = set()  # damaged files among the candidates, already reported
+
+
 def locate(config, kind: str = "linear") -> Path | None:
     """The weights file `find` would load for the model with `config` (None: there is none). Reads
-    metadata only; a corrupt file among the candidates is refused naming it, as is a file at
-    `trained_path` made for another model."""
+    metadata only; a damaged file among the candidates is skipped with one logged line; a file at
+    `trained_path` made for another model is refused naming both."""
 
     key = fingerprint(config)
     own = trained_path(config, kind)
@@ -317,7 +349,13 @@ def locate(config, kind: str = "linear") -> Path | None:
                              f"train them again with `kvmerge train-scorer --kind {kind}`")
         return own
     for path in (p for folder in search_folders() for p in sorted(folder.glob("*.safetensors"))):
-        meta, _ = _read(path, tensors=False, anonymous=True)  # is it this model's, of this kind? (others' files: no)
+        try:
+            meta, _ = _read(path, tensors=False, anonymous=True)  # is it this model's, of this kind?
+        except InputError as e:  # another file's damage is not this model's: skipped, said once
+            if path not in _skipped:
+                _skipped.add(path)
+                logging.getLogger("kvmerge").warning(f"kvmerge: skipped {e}")
+            continue
         if meta.get("model") == key and meta.get("kind", "linear") == kind:
             return path
     return None

@@ -282,23 +282,55 @@ def _same(name: str) -> str:
 def main(model_name: str | None, out: str | None = None, **kwargs) -> Path:
     """Train the scorer for a model and save it (`trained_path`, or `out`); returns the path. Weights
     there trained for another model of the same fingerprint (the same shapes: another checkpoint of
-    one architecture) are replaced, saying so in one line."""
-    import logging
+    one architecture) are replaced, saying so in one line; so are weights found elsewhere that these
+    now take the place of. One run at a time writes a file: a second is refused."""
+    import hashlib
 
-    from .model import load_model
-    from .scorer import Scorer
+    from filelock import FileLock, Timeout
+
+    from .model import cache_dir, load_model
 
     model, tokenizer = load_model(model_name)
+    path = Path(out) if out else trained_path(model.config, kwargs.get("kind", "linear"))
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(locks / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16] + ".lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise InputError(f"another `kvmerge train-scorer` is writing {path}: wait for it to finish, or give "
+                         "--out another file") from None
+    try:
+        return _train_and_save(model, tokenizer, path, shadows=None if out else _elsewhere(model.config, **kwargs),
+                               **kwargs)
+    finally:
+        lock.release()
+
+
+def _elsewhere(config, kind: str = "linear", **_) -> Path | None:
+    """The weights for `config` found outside the cache's own file (shipped, or in $KVMERGE_SCORERS)."""
+    from .scorer import locate
+
+    return None if trained_path(config, kind).exists() else locate(config, kind)
+
+
+def _train_and_save(model, tokenizer, path: Path, shadows: Path | None = None, **kwargs) -> Path:
+    import logging
+
+    from .scorer import Scorer
+
+    log = logging.getLogger("kvmerge")
     scorer = train(model, tokenizer, **kwargs)
-    path = Path(out) if out else trained_path(model.config, scorer.kind)
     if path.exists():
         try:
             before = Scorer.load(path).meta.get("model_name")
         except InputError:
             before = None
         if before and _same(before) != _same(scorer.meta["model_name"]):
-            logging.getLogger("kvmerge").warning(
-                f"kvmerge: replaced {path}, trained for {before}, a model of the same shapes (fingerprint "
-                f"{scorer.model}): weights are found by a model's shapes, not by its checkpoint")
+            log.warning(f"kvmerge: replaced {path}, trained for {before}, a model of the same shapes (fingerprint "
+                        f"{scorer.model}): weights are found by a model's shapes, not by its checkpoint")
+    elif shadows is not None:
+        log.warning(f"kvmerge: every model of these shapes (fingerprint {scorer.model}) now uses {path} instead of "
+                    f"{shadows}; delete {path} to go back to it")
     scorer.save(path)
     return path

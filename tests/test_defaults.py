@@ -2,6 +2,7 @@
 learned-scorer weights (with the sliding share on a model with sliding-window layers; uniform
 allocation in vLLM), else mixedmerge with one line naming `kvmerge train-scorer`."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -60,6 +61,67 @@ def test_weights_trained_here_switch_the_default(monkeypatch, caplog):
     path = ts.main("tiny", texts=3, held=1, length=96)
     assert path.exists() and default_method(model) == "learnedzip"
     assert len(told(caplog)) == 1
+
+
+def _train_tiny(monkeypatch, model):
+    import kvmerge.train_scorer as ts
+
+    monkeypatch.setattr(ts, "corpus", lambda: ["".join(chr(97 + (7 * i + j) % 26) for i in range(400)) for j in range(6)])
+    monkeypatch.setattr("kvmerge.model.load_model", lambda name: (model, TinyTokenizer()))
+    return ts
+
+
+def test_training_over_found_weights_says_which_it_replaces_and_one_run_writes_a_file_at_a_time(monkeypatch, caplog,
+                                                                                                  tmp_path):
+    from filelock import FileLock, Timeout
+
+    model = tiny_model()  # conftest's folder holds weights for it: training here takes their place
+    before = kvmerge.scorer.locate(model.config)
+    ts = _train_tiny(monkeypatch, model)
+    path = ts.main("tiny", texts=3, held=1, length=96)
+    (line,) = told(caplog)
+    assert f"now uses {path} instead of {before}; delete {path} to go back to it" in line
+    assert kvmerge.scorer.locate(model.config) == path
+    out = tmp_path / "w.safetensors"
+    lock = next(iter((tmp_path / "locks").glob("*.lock")))  # the one lock file, beside no weights
+    monkeypatch.setattr(ts, "train", lambda *a, **k: pytest.fail("trained while another run held the file"))
+    original = FileLock.acquire
+
+    def held(self, timeout=None, **kwargs):  # another process holds every lock
+        raise Timeout(self.lock_file)
+
+    monkeypatch.setattr(FileLock, "acquire", held)
+    with pytest.raises(InputError, match=rf"another `kvmerge train-scorer` is writing {out}: wait for it"):
+        ts.main("tiny", out=str(out), texts=3, held=1, length=96)
+    monkeypatch.setattr(FileLock, "acquire", original)
+    assert lock.exists() and not out.exists()
+
+
+def test_train_scorer_refuses_a_destination_it_must_not_replace_or_cannot_write(tmp_path, monkeypatch, capsys):
+    """Before the model loads: an existing file that is not scorer weights, a folder it cannot write."""
+    from safetensors.torch import save_file
+
+    from .test_cli import fails
+
+    (tmp_path / "config.json").write_text("{}")
+    weights = tmp_path / "model.safetensors"  # a model's own weights: not scorer weights
+    save_file({"w": torch.ones(3)}, str(weights), metadata={"format": "pt"})
+    model = ["train-scorer", "--model", str(tmp_path)]
+    fails(capsys, model + ["--out", str(weights)],
+          f"--out {weights} exists and is not scorer weights `kvmerge train-scorer` wrote: give a new")
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if not os.access(locked, os.W_OK):  # (root writes anywhere)
+            fails(capsys, model + ["--out", str(locked / "w.safetensors")],
+                  f"cannot write in {locked}: give --out in a folder you can write")
+    finally:
+        locked.chmod(0o700)
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("KVMERGE_CACHE", str(tmp_path / "file" / "cache"))
+    fails(capsys, model, f"cannot make the folder {tmp_path / 'file' / 'cache' / 'scorers'} for the scorer's weights",
+          "set KVMERGE_CACHE to a folder you can write, or give --out")
 
 
 def test_compressing_without_a_method_uses_the_default():

@@ -1,11 +1,16 @@
 """The learned scorer behind `learnedzip`: its features are the layer's own pre-RoPE projections, its
 fit is ridge regression, its weights round-trip, and a model without weights is told how to train."""
 
+import logging
+import os
+import re
+
 import pytest
 import torch
 
 import kvmerge
-from kvmerge.scorer import LinearScorer, MLPScorer, Scorer, features, find, fingerprint, unrotate
+import kvmerge.scorer as scorer_module
+from kvmerge.scorer import LinearScorer, MLPScorer, Scorer, features, find, fingerprint, locate, unrotate
 from kvmerge.train_scorer import examples, fit, fit_mlp, overlap
 
 from .conftest import TinyTokenizer, random_ids, tiny_model
@@ -206,7 +211,9 @@ def test_weights_naming_this_model_with_other_shapes_are_refused(tmp_path, monke
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
-def test_a_truncated_or_corrupt_weights_file_is_refused_naming_it(tmp_path, monkeypatch, damage):
+def test_a_truncated_or_corrupt_weights_file_is_refused_naming_it(tmp_path, monkeypatch, caplog, damage):
+    """Loaded directly, a damaged file is refused naming it; among the files searched, it is skipped
+    with one logged line, and other models' weights are still found."""
     model = tiny_model(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
     path = tmp_path / "w.safetensors"
     _weights_for(model).save(path)
@@ -216,9 +223,16 @@ def test_a_truncated_or_corrupt_weights_file_is_refused_naming_it(tmp_path, monk
                r"file and train them again with `kvmerge train-scorer --model <the model>`$")
     with pytest.raises(kvmerge.KVMergeError, match=message):
         Scorer.load(path)
-    monkeypatch.setenv("KVMERGE_SCORERS", str(tmp_path))
-    with pytest.raises(kvmerge.KVMergeError, match=message):
-        find(model.config)
+    good = tmp_path / "good"
+    good.mkdir()
+    _weights_for(model).save(good / "z.safetensors")  # a whole file in a later folder is still found
+    monkeypatch.setenv("KVMERGE_SCORERS", f"{tmp_path}{os.pathsep}{good}")
+    monkeypatch.setattr(scorer_module, "_skipped", set())
+    with caplog.at_level(logging.WARNING, logger="kvmerge"):
+        assert locate(model.config) == good / "z.safetensors"
+        assert locate(model.config) == good / "z.safetensors"
+    said = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(said) == 1 and re.search(message.removesuffix("$"), said[0]), said
 
 
 def test_weights_without_kvmerge_metadata_are_refused(tmp_path):
