@@ -34,13 +34,24 @@ def default_method(model_or_config, runtime: str = "transformers") -> str:
     """The default method's spec for a model (a transformers model or its config): see the module's
     docstring. `runtime`: "transformers" (also chunked) or "vllm". Without weights, logs one warning
     line (once per model) naming `kvmerge train-scorer --model ...`."""
-    from .scorer import TRAINING_TIME, fingerprint, locate
+    from .errors import InputError
+    from .model import SUPPORTED_MODEL_TYPES
+    from .scorer import TRAINING_TIME, Scorer, fingerprint, locate
     from .sliding import sliding_layer_count, sliding_only
 
     config = getattr(model_or_config, "config", model_or_config)
     if sliding_only(config):  # nothing to compress or train for: the session says so, naming `full`
         return FALLBACK
-    if locate(config) is not None:
+    if config.get_text_config(decoder=True).model_type not in SUPPORTED_MODEL_TYPES:
+        return FALLBACK  # nothing to train for either: the session refuses the model, naming what it supports
+    why = "no learned-scorer weights for this model"
+    try:
+        path = locate(config)
+        if path is not None:
+            Scorer.load(path, config)
+    except InputError as e:  # another model's of the same fingerprint (another layer layout, say)
+        path, why = None, f"the learned-scorer weights found do not fit this model ({e})"
+    if path is not None:
         if runtime == "vllm":
             return VLLM
         return SLIDING if sliding_layer_count(config) else LEARNED
@@ -48,9 +59,10 @@ def default_method(model_or_config, runtime: str = "transformers") -> str:
     if key not in _told:
         _told.add(key)
         name = getattr(config, "name_or_path", "") or "PATH"
-        logger.warning(f"kvmerge: no learned-scorer weights for this model (fingerprint {key}), so the default method "
-                       f"is {FALLBACK}; `kvmerge train-scorer --model {name}` fits them ({TRAINING_TIME}), "
-                       f"then the default is {LEARNED}")
+        then = SLIDING if sliding_layer_count(config) else LEARNED
+        logger.warning(f"kvmerge: {why} (fingerprint {key}), so the default method is {FALLBACK}; "
+                       f"`kvmerge train-scorer --model {name}` fits them ({TRAINING_TIME}), then the default is "
+                       f"{then}")
     return FALLBACK
 
 

@@ -40,6 +40,23 @@ def test_a_model_without_weights_defaults_to_mixedmerge_with_one_line_naming_the
     assert "`kvmerge train-scorer --model PATH` fits them" in line and "then the default is learnedzip" in line
 
 
+def test_weights_that_do_not_fit_or_a_model_kvmerge_cannot_run_fall_back_to_mixedmerge(caplog, monkeypatch, tmp_path):
+    """Weights of this fingerprint made for other shapes (another layer layout): the fallback, with one
+    line naming the misfit and the command; a model type kvmerge refuses gets no advice to train."""
+    from transformers import GPT2Config
+
+    from kvmerge.scorer import LinearScorer, fingerprint
+
+    model = no_weights()
+    LinearScorer([torch.zeros(65, 1) for _ in range(3)], fingerprint(model.config), {}).save(tmp_path / "w.safetensors")
+    monkeypatch.setenv("KVMERGE_SCORERS", str(tmp_path))
+    assert default_method(model) == "mixedmerge"
+    (line,) = told(caplog)
+    assert "the learned-scorer weights found do not fit this model (scorer weights" in line
+    assert "so the default method is mixedmerge; `kvmerge train-scorer --model" in line and "\n" not in line
+    assert default_method(GPT2Config()) == "mixedmerge" and len(told(caplog)) == 1
+
+
 def test_a_model_with_weights_defaults_to_learnedzip_as_its_results_were_measured(caplog):
     """conftest's folder holds (random) weights for tiny_model() and the tiny Gemma-3."""
     assert default_method(tiny_model()) == "learnedzip"
