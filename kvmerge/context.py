@@ -184,6 +184,28 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def weights_sample(model) -> list[float] | None:
+    """Two values of every weight tensor of `model`, at fixed places (a third and two thirds in), as
+    floats: what tells two checkpoints of one architecture apart (the fingerprint holds only shapes).
+    None when the weights cannot be read here (offloaded to the meta device, say)."""
+    out = []
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.device.type == "meta" or p.numel() == 0:
+                return None
+            flat = p.detach().reshape(-1)
+            out += flat[torch.tensor([flat.numel() // 3, 2 * flat.numel() // 3], device=flat.device)].float().tolist()
+    return out
+
+
+def same_weights(stored: list[float], here: list[float] | None) -> bool:
+    """Whether two `weights_sample`s come from one checkpoint, up to a dtype's rounding (bfloat16's 1/256)."""
+    if here is None:
+        return True  # nothing to compare here: the fingerprint and shapes stand alone
+    a, b = torch.tensor(stored, dtype=torch.float64), torch.tensor(here, dtype=torch.float64)
+    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-2, atol=1e-4))
+
+
 def compress_context(model, tokenizer, context, method=None, budget: float | int | None = None,
                      chat_template: bool = True, prefill_chunk: int | None = None, keep_ids: bool = True,
                      progress=None) -> CompressedContext:
@@ -226,7 +248,7 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
             "tokenizer": tokenizer_hash(tokenizer), "ids_hash": ids_hash(ids), "tokens": len(ids),
             "method": spec, "budget": method.budget, "chat_template": chat,
             "dtype": str(dtype).removeprefix("torch."), "full_bytes": stock_cache_bytes(model.config, dtype, len(ids)),
-            "timings": session.timings}
+            "timings": session.timings, "weights_sample": weights_sample(model)}
     return CompressedContext(session, tokenizer, meta, ids if keep_ids else None, positions.kept())
 
 
@@ -250,6 +272,11 @@ def load_context(path, model, tokenizer) -> CompressedContext:
             here = getattr(model.config, "name_or_path", "") or "this model"
             raise OtherModelError(f"{path} was made for another model ({_name(meta.get('model_name'))}, fingerprint "
                                   f"{meta['model']}), not {_name(here)} (fingerprint {fingerprint(model.config)})")
+        if isinstance(meta.get("weights_sample"), list) and not same_weights(meta["weights_sample"],
+                                                                              weights_sample(model)):
+            raise OtherModelError(f"{path} was made with another checkpoint of this architecture "
+                                  f"({_name(meta.get('model_name'))}: the same shapes, other weights): load the "
+                                  "model it was made with, or compress the context again with this one")
         if meta["tokenizer"] != tokenizer_hash(tokenizer):
             raise OtherModelError(f"{path} was made with another tokenizer (hash {meta['tokenizer']}, this one's "
                                   f"{tokenizer_hash(tokenizer)}): load the model's own tokenizer")

@@ -135,6 +135,10 @@ def metadata(path, head: dict) -> dict:
         for key, kind in REQUIRED.items():
             if isinstance(meta[key], bool) and kind is not bool or not isinstance(meta[key], kind):
                 raise TypeError(f"{key} is a {type(meta[key]).__name__}")
+        sample = meta.get("weights_sample")  # optional: files written before it, weights it could not read
+        if sample is not None and not (isinstance(sample, list) and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in sample)):
+            raise TypeError("weights_sample is not a list of numbers")
     except (KeyError, TypeError, ValueError) as e:
         raise ContextFileError(f"{path} is damaged: its metadata is not a compressed context's "
                                f"({type(e).__name__}: {one_line(e)})") from None

@@ -96,6 +96,27 @@ def _rewrite(path, out, **meta):
     return out
 
 
+def test_a_file_from_another_checkpoint_of_the_same_shapes_is_refused(tmp_path):
+    """The fingerprint holds shapes only: a sample of the weights tells a fine-tune from its base (up to a
+    dtype's rounding: a bfloat16 run's file loads into the same checkpoint in float32)."""
+    model, ctx = _context(tiny_model, "snapkv")
+    path = ctx.save(tmp_path / "c.kvz")
+    other = tiny_model(seed=1)
+    with torch.no_grad():  # a light fine-tune: every weight moved by about 1%
+        for p, q in zip(other.parameters(), model.parameters()):
+            p.copy_(q * (1 + 0.01 * torch.randn_like(q)))
+    _refused(path, other, r"made with another checkpoint of this architecture .*compress the context again")
+    assert kvmerge.load_context(path, tiny_model(), TinyTokenizer()).tokens == ctx.tokens  # the same weights
+    half = tiny_model(dtype=torch.bfloat16)
+    kvmerge.compress_context(half, TinyTokenizer(), random_ids(160, seed=1), "snapkv:window=8", 0.25).save(
+        tmp_path / "h.kvz")
+    assert kvmerge.load_context(tmp_path / "h.kvz", tiny_model(), TinyTokenizer()).tokens == ctx.tokens
+    _refused(_tamper(path, tmp_path / "t.kvz", lambda t, m: m.update(weights_sample="x"), True), model,
+             "weights_sample is not a list of numbers")
+    assert kvmerge.load_context(_tamper(path, tmp_path / "t.kvz", lambda t, m: m.pop("weights_sample"), True), other,
+                                TinyTokenizer()).tokens == ctx.tokens  # a file from before the sample: shapes only
+
+
 def test_unusable_files_are_refused_in_one_line(tmp_path):
     model, ctx = _context(tiny_model, "snapkv")
     path = ctx.save(tmp_path / "c.kvz")
