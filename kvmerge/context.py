@@ -244,7 +244,9 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
     finally:
         getattr(report, "close", lambda: None)()
     dtype = session.cache.layers[0].keys.dtype
-    meta = {"model": fingerprint(model.config), "model_name": str(getattr(model.config, "name_or_path", "")),
+    name = str(getattr(model.config, "name_or_path", ""))
+    name = str(Path(name).resolve()) if name and Path(name).exists() else name  # found from any folder
+    meta = {"model": fingerprint(model.config), "model_name": name,
             "tokenizer": tokenizer_hash(tokenizer), "ids_hash": ids_hash(ids), "tokens": len(ids),
             "method": spec, "budget": method.budget, "chat_template": chat,
             "dtype": str(dtype).removeprefix("torch."), "full_bytes": stock_cache_bytes(model.config, dtype, len(ids)),

@@ -30,6 +30,9 @@ def _model_of(args, meta: dict | None = None):
 
         bundled = next((b for b in BUNDLED if Path(made_with).name == b), None)
         name = bundled or (made_with if Path(made_with).exists() else None)
+        if name is None:
+            raise InputError(f"the file was made with the model {made_with!r}, which is neither a bundled model nor a "
+                             "folder here: give --model with that model's folder")
     model_name(name)
     device(getattr(args, "device", None))
     from .model import load_model

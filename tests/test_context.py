@@ -267,6 +267,9 @@ def test_the_commands_refuse_bad_files_before_any_model_loads(capsys, tmp_path, 
     fails(capsys, ["inspect", str(good), "--html", str(tmp_path)], "--html", "is a folder")
     fails(capsys, ["ask", str(good), "--question", "Why?", "--top-k", "5"], "--top-k", "--temperature")
     fails(capsys, ["ask", str(good), "--question", "Why?", "--stop", ","], "--stop", "comma-separated list")
+    moved = _tamper(good, tmp_path / "moved.kvz", lambda t, m: m.update(model_name="tiny-llama"), True)
+    fails(capsys, ["ask", str(moved), "--question", "Why?"], "made with the model 'tiny-llama', which is neither a "
+          "bundled model nor a folder here: give --model with that model's folder")
 
 
 def test_saving_and_loading_refuse_a_wrong_place_and_order_and_files_read_as_any_others(tmp_path):
@@ -387,3 +390,13 @@ def test_a_files_name_given_as_the_context_text_points_to_load_context(tmp_path)
                  lambda: kvmerge.compress_context(model, TinyTokenizer(), path)):
         with pytest.raises(KVMergeError, match="is a compressed-context file's name, not its text: kvmerge.load_context"):
             call()
+
+
+def test_a_model_folder_is_stored_as_a_full_path(tmp_path, monkeypatch):
+    """`kvmerge ask` without --model finds the model a file names from any folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").mkdir()
+    model = tiny_model()
+    model.config.name_or_path = "m"
+    ctx = kvmerge.compress_context(model, TinyTokenizer(), random_ids(120, seed=1), "snapkv:window=8", 0.25)
+    assert ctx.meta["model_name"] == str((tmp_path / "m").resolve())
