@@ -48,6 +48,9 @@ def check_model_name(name_or_path: str | os.PathLike | None) -> str:
     if path.is_dir():
         if not (path / "config.json").is_file() and not list(path.glob("*.gguf")):
             raise InputError(f"{text} is a folder without a model (no config.json or .gguf file in it)")
+        if not any(next(path.glob(p), None) for p in ("*.safetensors", "*.bin", "*.gguf", "*.pt", "*.pth")):
+            raise InputError(f"{text} has a config.json but no weights (model.safetensors or pytorch_model.bin): "
+                             "save the model there with model.save_pretrained(folder)")
         return "local"
     if path.is_file():
         if path.suffix != ".gguf":

@@ -216,6 +216,11 @@ def train(model, tokenizer, texts: int = 100, held: int = 6, length: int = 1024,
     if len(chosen) < texts + held:
         raise InputError(f"only {len(chosen)} pieces of {length} tokens in the training text, {texts + held} needed: "
                          "lower --length, --texts or --held")
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    top = max(max(head, default=0), *(max(ids) for ids in chosen[:texts + held]))
+    if top >= vocab:
+        raise InputError(f"the tokenizer gives token id {top}, outside the model's vocabulary [0, {vocab}): the "
+                         "folder's tokenizer is not the model's")
     if progress is not None:
         progress(0, texts + held)
     sums, kept, start = None, None, time.perf_counter()

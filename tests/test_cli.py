@@ -36,6 +36,8 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "binary.dat").write_bytes(b"\x7fELF\x00\x01\x02" * 40)
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp_path / "folder").mkdir()
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text('{"model_type": "llama"}')
     return tmp_path
 
 
@@ -66,6 +68,8 @@ MISTAKES = [  # argv, what the line must say
     (G + ["--model", "gemma-3-270m"], "did you mean gemma3-270m?"),
     (G + ["--model", "./missing"], "no model at ./missing"),
     (G + ["--model", "folder"], "folder without a model"),
+    (G + ["--model", "noweights"], "noweights has a config.json but no weights", "save_pretrained"),
+    (["train-scorer", "--model", "noweights"], "noweights has a config.json but no weights"),
     (G + ["--budget", "0"], "--budget", "got '0'"),
     (G + ["--budget", "-1"], "got '-1'"),
     (G + ["--budget", "1.5"], "fraction of the context in (0, 1]"),
@@ -337,6 +341,7 @@ def test_generate_without_a_method_checks_the_default_for_the_model_before_loadi
     for name, model in (("weights", tiny_model()), ("none", tiny_model(hidden_size=32, num_attention_heads=2,
                                                                        num_key_value_heads=1))):
         model.config.save_pretrained(files / name)
+        (files / name / "model.safetensors").write_bytes(b"")  # weights the test's load_model never reads
         with pytest.raises(SystemExit) as e:
             main(G + ["--model", str(files / name)])
         assert e.value.code == 1 and "the model was loaded" in capsys.readouterr().err

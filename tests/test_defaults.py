@@ -114,6 +114,15 @@ def test_training_over_found_weights_says_which_it_replaces_and_one_run_writes_a
     assert lock.exists() and not out.exists()
 
 
+def test_training_with_a_tokenizer_that_is_not_the_models_is_refused_naming_it(monkeypatch):
+    model = tiny_model(vocab_size=40)  # TinyTokenizer's ids reach 95
+    ts = _train_tiny(monkeypatch, model)
+    monkeypatch.setattr(ts, "examples", lambda *a: pytest.fail("a forward ran"))
+    with pytest.raises(InputError, match=r"the tokenizer gives token id \d+, outside the model's vocabulary \[0, 40\): "
+                                         r"the folder's tokenizer is not the model's"):
+        ts.train(model, TinyTokenizer(), texts=3, held=1, length=96)
+
+
 def test_train_scorer_refuses_a_destination_it_must_not_replace_or_cannot_write(tmp_path, monkeypatch, capsys):
     """Before the model loads: an existing file that is not scorer weights, a folder it cannot write."""
     from safetensors.torch import save_file
