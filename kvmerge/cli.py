@@ -245,6 +245,7 @@ def _parser() -> argparse.ArgumentParser:
     _answer_args(ask)
     ask.add_argument("--model", default=None, metavar="NAME", help=f"{model_help} (default: the model the file names)")
     ask.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    ask.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
     insp = sub.add_parser("inspect", help="what a .kvz file holds and which parts of the text it kept",
                           formatter_class=fmt, epilog=EPILOG)
@@ -254,6 +255,7 @@ def _parser() -> argparse.ArgumentParser:
     insp.add_argument("--color", action="store_true", help="shade the text even when stdout is not a terminal")
     insp.add_argument("--no-text", action="store_true", help="the summary only")
     insp.add_argument("--model", default=None, metavar="NAME", help=f"{model_help} (default: the model the file names)")
+    insp.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
     meth = sub.add_parser("methods", help="the methods: what each does, its cost, where it runs",
                           formatter_class=fmt, epilog=EPILOG)

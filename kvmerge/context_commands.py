@@ -21,7 +21,7 @@ def _file(name: str) -> tuple[Path, dict]:
 
 def _model_of(args, meta: dict | None = None):
     """The model to load: --model, else the one the file names when it is a bundled name or a folder."""
-    from .commands import device, model_name
+    from .commands import device, model_name, quiet_loading
 
     name = args.model
     made_with = (meta or {}).get("model_name") or None
@@ -35,6 +35,7 @@ def _model_of(args, meta: dict | None = None):
                              "folder here: give --model with that model's folder")
     model_name(name)
     device(getattr(args, "device", None))
+    quiet_loading(args)
     from .model import load_model
 
     return load_model(name, device=getattr(args, "device", None))
@@ -53,7 +54,7 @@ def _load(args, path, model, tok):
 
 
 def compress(args) -> int:
-    from .commands import check_budget_given, method, quiet_loading, read_text, runs_here, writable
+    from .commands import check_budget_given, method, read_text, runs_here, writable
 
     out = writable("--out", args.out)
     if args.context != "-" and Path(args.context).expanduser().resolve() == out.resolve():
@@ -72,7 +73,6 @@ def compress(args) -> int:
     if args.method is not None:  # checked before the model loads
         check_budget_given(args.method, args.budget)
         runs_here(method(args.method, args.budget, args.prefill_chunk), args.model)
-    quiet_loading(args)
     model, tok = _model_of(args)
     from .context import compress_context
     from .defaults import default_method

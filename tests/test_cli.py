@@ -425,3 +425,16 @@ def test_no_progress_silences_transformers_bars(monkeypatch):
     assert not gguf.tqdm([1], file=open(os.devnull, "w")).disable
     quiet_loading(argparse.Namespace(no_progress=True))
     assert gguf.tqdm([1]).disable and not logging.is_progress_bar_enabled()
+
+
+def test_training_a_bundled_model_says_its_shipped_weights_give_way(capsys, files, monkeypatch):
+    monkeypatch.setenv("KVMERGE_CACHE", str(files / "cache"))
+    with pytest.raises(SystemExit):
+        main(["train-scorer"])  # the model's loading fails here (no_model): the line comes first
+    err = capsys.readouterr().err
+    assert err.startswith("training smollm2-135m, a bundled model whose weights ship with kvmerge: these take their "
+                          "place (delete the file written to go back); --model FOLDER trains your own model's\n")
+    main_out = files / "w.safetensors"
+    with pytest.raises(SystemExit):
+        main(["train-scorer", "--out", str(main_out)])
+    assert "a bundled model" not in capsys.readouterr().err
