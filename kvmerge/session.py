@@ -248,7 +248,7 @@ class Session:
             return
         if not picked:
             raise ValueError("this model has sliding-window layers only: its cache is already bounded by the "
-                             "window and has no full-attention layer to compress (use the full method)")
+                             "window and has no full-attention layer to compress: use method 'full' (--method full)")
         window = method.window if window is None else window
         layers = [self.cache.layers[i] for i in picked]
         # the counters copied: a method's second pass feeds the session and restores them
