@@ -261,7 +261,7 @@ def load_context(path, model, tokenizer) -> CompressedContext:
     the model's device, converted to the model's dtype where that loses nothing."""
     from .cache import kv_shape
     from .methods import get_method
-    from .scorer import fingerprint
+    from .scorer import fingerprint, fingerprints
 
     with refusing():
         if not isinstance(path, (str, os.PathLike)):
@@ -270,7 +270,7 @@ def load_context(path, model, tokenizer) -> CompressedContext:
         check_model(model, "load_context(path, model, tokenizer)")
         path = Path(path)
         tensors, meta = read(path, check_file(path))
-        if meta["model"] != fingerprint(model.config):
+        if meta["model"] not in fingerprints(model.config):
             here = getattr(model.config, "name_or_path", "") or "this model"
             raise OtherModelError(f"{path} was made for another model ({_name(meta.get('model_name'))}, fingerprint "
                                   f"{meta['model']}), not {_name(here)} (fingerprint {fingerprint(model.config)})")

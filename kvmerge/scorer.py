@@ -29,11 +29,28 @@ SHIPPED = Path(__file__).parent / "scorers"
 
 
 def fingerprint(config) -> str:
-    """What identifies a model's attention for the scorer: its type and attention shapes (12 hex)."""
+    """What identifies a model's attention for the scorer and its compressed contexts (12 hex): its type,
+    attention shapes and, on a model with sliding-window layers, each layer's window (None: full)."""
+    return fingerprints(config)[0]
+
+
+def fingerprints(config) -> tuple[str, ...]:
+    """(`fingerprint`, and the one files written before it held the windows when it differs): what a
+    weights file or a compressed context made for this model may name."""
+    from .sliding import layer_windows
+
     c = config.get_text_config(decoder=True)
     keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "vocab_size", "intermediate_size")
-    return hashlib.sha256(json.dumps({k: getattr(c, k, None) for k in keys}).encode()).hexdigest()[:12]
+    fields = {k: getattr(c, k, None) for k in keys}
+    try:
+        windows = layer_windows(config)
+    except (ValueError, TypeError, AttributeError, KeyError):  # a layer kvmerge refuses elsewhere, naming it
+        windows = []
+    shapes = hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:12]
+    if not any(w is not None for w in windows):  # full attention throughout: the shapes say it all
+        return (shapes,)
+    return hashlib.sha256(json.dumps({**fields, "windows": windows}).encode()).hexdigest()[:12], shapes
 
 
 def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -143,7 +160,7 @@ class Scorer:
         """Refuse (`InputError`, naming both) unless these weights were made for the model with `config`:
         its fingerprint and its attention's shapes."""
         mine = model_shape(config)
-        if self.model == fingerprint(config) and self.shape() == mine:
+        if self.model in fingerprints(config) and self.shape() == mine:
             return
         name = _model_name(config)
         theirs = self.meta.get("model_name") or (Path(path).stem.removesuffix("-mlp") if Path(path).parent == SHIPPED
@@ -301,9 +318,13 @@ TRAINING_TIME = "4–8 minutes for the bundled models on 2 CPU cores, more in pr
 def trained_path(config, kind: str = "linear") -> Path:
     """Where `kvmerge train-scorer` writes a model's weights: `<cache dir>/scorers/<fingerprint>.safetensors`
     (`<fingerprint>-mlp.safetensors` for an MLP)."""
+    return _named(fingerprint(config), kind)
+
+
+def _named(key: str, kind: str) -> Path:
     from .model import cache_dir
 
-    return cache_dir() / "scorers" / (f"{fingerprint(config)}" + ("" if kind == "linear" else f"-{kind}") + ".safetensors")
+    return cache_dir() / "scorers" / (key + ("" if kind == "linear" else f"-{kind}") + ".safetensors")
 
 
 def find(config, kind: str = "linear") -> Scorer:
@@ -339,15 +360,16 @@ def locate(config, kind: str = "linear") -> Path | None:
     metadata only; a damaged file among the candidates is skipped with one logged line; a file at
     `trained_path` made for another model is refused naming both."""
 
-    key = fingerprint(config)
-    own = trained_path(config, kind)
-    if own.exists():
-        meta, _ = _read(own, tensors=False)
-        if meta.get("model") != key or meta.get("kind", "linear") != kind:
-            Scorer.load(own, config)  # refused, naming both models
-            raise InputError(f"scorer weights {own} are a {meta.get('kind', 'linear')} scorer, not {kind}: "
-                             f"train them again with `kvmerge train-scorer --kind {kind}`")
-        return own
+    keys = fingerprints(config)
+    for key in keys:  # trained here: named by the fingerprint (or by the one before layer windows counted)
+        own = _named(key, kind)
+        if own.exists():
+            meta, _ = _read(own, tensors=False)
+            if meta.get("model") != key or meta.get("kind", "linear") != kind:
+                Scorer.load(own, config)  # refused, naming both models
+                raise InputError(f"scorer weights {own} are a {meta.get('kind', 'linear')} scorer, not {kind}: "
+                                 f"train them again with `kvmerge train-scorer --kind {kind}`")
+            return own
     for path in (p for folder in search_folders() for p in sorted(folder.glob("*.safetensors"))):
         try:
             meta, _ = _read(path, tensors=False, anonymous=True)  # is it this model's, of this kind?
@@ -356,6 +378,6 @@ def locate(config, kind: str = "linear") -> Path | None:
                 _skipped.add(path)
                 logging.getLogger("kvmerge").warning(f"kvmerge: skipped {e}")
             continue
-        if meta.get("model") == key and meta.get("kind", "linear") == kind:
+        if meta.get("model") in keys and meta.get("kind", "linear") == kind:
             return path
     return None

@@ -350,3 +350,30 @@ def test_other_programs_safetensors_in_a_scorer_folder_are_passed_over(tmp_path,
     assert locate(model.config) is None
     _weights_for(model).save(tmp_path / "z.safetensors")
     assert locate(model.config) == tmp_path / "z.safetensors"
+
+
+def test_the_fingerprint_tells_layer_layouts_apart_and_accepts_files_from_before_it_did(tmp_path):
+    """Two models of one type and shapes whose layers attend differently (sliding windows) get their own
+    fingerprints, so their weights and contexts are kept apart; weights and contexts written when the
+    fingerprint held the shapes only still load (their shapes checked)."""
+    import copy
+
+    from kvmerge.scorer import fingerprints
+
+    from .test_context import _tamper
+    from .test_hybrid import gemma3
+
+    model = gemma3()
+    full = copy.deepcopy(model.config)
+    full.layer_types = ["full_attention"] * full.num_hidden_layers
+    (now, before), (only,) = fingerprints(model.config), fingerprints(full)
+    assert now != before == only  # the shapes alone could not tell them apart
+    assert fingerprints(tiny_model().config) == (fingerprint(tiny_model().config),)  # full attention: unchanged
+    old = find(model.config)
+    old.model = before
+    old.save(tmp_path / "old.safetensors")
+    assert Scorer.load(tmp_path / "old.safetensors", model.config).model == before
+    ctx = kvmerge.compress_context(model, TinyTokenizer(), random_ids(120, seed=1), "snapkv:window=8", 0.25)
+    assert ctx.meta["model"] == now
+    path = _tamper(ctx.save(tmp_path / "c.kvz"), tmp_path / "old.kvz", lambda t, m: m.update(model=before), True)
+    assert kvmerge.load_context(path, model, TinyTokenizer()).tokens == 120
