@@ -112,11 +112,16 @@ def max_positions(model) -> int | None:
 
 def check_supported(model) -> None:
     """Raise a ValueError naming what this runtime cannot handle in `model`."""
-    from .sliding import layer_windows
-
     config = getattr(model, "config", None)
     if config is None:
         raise TypeError(f"expected a transformers model, got {type(model).__name__}")
+    check_config(config)
+
+
+def check_config(config) -> None:
+    """`check_supported` on a model's config alone (before its weights load)."""
+    from .sliding import layer_windows
+
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"model {config.model_type!r} is an encoder-decoder: kvmerge compresses decoder-only caches")
     config = config.get_text_config(decoder=True)
@@ -267,7 +272,7 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype
     """
     kind = check_model_name(name_or_path)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise UnsupportedError(f"device {device!r} asked for, but torch sees no CUDA GPU: use --device cpu (or leave "
@@ -289,6 +294,7 @@ def load_model(name_or_path: str | os.PathLike | None = None, dtype: torch.dtype
         if local and not any((path / f).exists() for f in TOKENIZER_FILES):
             raise InputError(f"no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)}): save the model's "
                              f"tokenizer beside its weights, tokenizer.save_pretrained({str(path)!r})")
+        check_config(AutoConfig.from_pretrained(source, local_files_only=local))  # before the weights load
         tok = AutoTokenizer.from_pretrained(source, local_files_only=local)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local)
     model.to(device).eval()

@@ -310,3 +310,14 @@ def test_a_hub_id_that_cannot_be_downloaded_is_refused_at_once(monkeypatch):
     with pytest.raises(InputError, match="not in the local Hugging Face cache and the hub cannot be reached"):
         kvmerge.load_model("nobody/no-such-model")
     assert time.perf_counter() - start < 10
+
+
+def test_a_model_type_kvmerge_cannot_run_is_refused_before_its_weights_load(tmp_path):
+    """The config decides: its weights (here an empty, unreadable file) are never read."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match="unsupported model type 'gpt2': kvmerge needs a decoder-only RoPE model"):
+        kvmerge.load_model(tmp_path)
