@@ -45,9 +45,10 @@ class Runtime:
         missing = [f.name for f in fields(Needs) if getattr(needs, f.name) and not _offered(f.name, needs, offers)]
         ordered = [f for f in cls.lacks if f in missing] + [f for f in missing if f not in cls.lacks]
         spread = getattr(method, "alloc", "uniform") != "uniform"
-        words = {"name": method.name, "sliding": method.sliding, "alloc": getattr(method, "alloc", None),
+        only_alloc = set(missing) <= {"all_layers", "layer_counts", "head_counts"}  # uniform counts would run
+        words = {"name": method.label, "sliding": method.sliding, "alloc": getattr(method, "alloc", None),
                  "what": f": alloc={getattr(method, 'alloc', None)!r} gives" if spread else " sets per-layer budgets, giving",
-                 "hint": f" ({method.name}:alloc=uniform runs there)" if spread else ""}
+                 "hint": f" ({method.label}:alloc=uniform runs there)" if spread and only_alloc else ""}
         for need in ordered:
             reason = cls.lacks.get(need, "{name} needs " + need + ", which the " + cls.name + " runtime does not offer")
             reason = reason.format(**words)

@@ -64,6 +64,17 @@ def test_plugins_load_by_module_or_path_and_refuse_what_is_not_there():
     load_plugins(["kvmerge.methods.snapkv"])  # a module name works too
 
 
+def test_a_plugin_that_fails_to_import_is_refused_in_one_line_naming_it(tmp_path):
+    bad = tmp_path / "badplug.py"
+    bad.write_text("import nothing_here_xyz\n")
+    with pytest.raises(ValueError, match=rf"^kvmerge: importing methods from {bad} failed: ModuleNotFoundError: No "
+                                         "module named 'nothing_here_xyz'$"):
+        load_plugins([str(bad)])
+    bad.write_text("def (:\n")
+    with pytest.raises(ValueError, match="importing methods from .* failed: SyntaxError"):
+        load_plugins([str(bad)])  # the failed module was not kept: the file is read again
+
+
 def test_a_composite_gets_its_parts_needs_and_hooks():
     """d2o on a base that needs each token's surprisal and carries scores across chunks: the base's
     needs are d2o's, and its `selected` hook runs (chunked prefill needs it)."""

@@ -61,6 +61,10 @@ def test_plugin_off_leaves_the_config_stock_and_on_installs_its_worker_and_sched
     ({"method": "tova", "budget": 0.25}, "tova changes the cache while decoding"),
     ({"method": "evictmerge:base=kvzip:alloc=head:recent=0", "budget": 0.25}, "alloc='head'"),
     ({"method": "snapkv:alloc=head", "budget": 0.25}, "alloc='head'"),
+    ({"method": "zipguardmerge", "budget": 0.25}, r"zipguardmerge runs another forward pass(?!.*alloc=uniform runs)"),
+    ({"method": "kvzip", "budget": 0.25}, r"^(?!.*kvzip:alloc=uniform runs there)"),  # it would not: a second pass
+    ({"method": "snapkv:budget=0.1", "budget": 0.5}, r"the budget is given twice: budget=0.1 in the method spec and "
+                                                     r'"budget": 0.5; give it once'),
 ])
 def test_bad_settings_fail_at_startup_naming_the_problem(settings, message):
     with pytest.raises(ValueError, match=message):

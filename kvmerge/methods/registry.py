@@ -174,7 +174,11 @@ def load_plugins(names: list[str]) -> None:
                 continue
             spec = importlib.util.spec_from_file_location(module, path)
             sys.modules[module] = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(sys.modules[module])
+            try:
+                spec.loader.exec_module(sys.modules[module])
+            except Exception as e:  # noqa: BLE001 - the plugin's own error, in one line naming it
+                del sys.modules[module]
+                raise ValueError(f"kvmerge: importing methods from {name} failed: {type(e).__name__}: {e}") from e
         else:
             try:
                 found = importlib.util.find_spec(name) is not None
@@ -182,4 +186,7 @@ def load_plugins(names: list[str]) -> None:
                 found = False
             if not found:
                 raise ValueError(f"kvmerge: no module or file {name!r} to import methods from")
-            importlib.import_module(name)
+            try:
+                importlib.import_module(name)
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"kvmerge: importing methods from {name} failed: {type(e).__name__}: {e}") from e

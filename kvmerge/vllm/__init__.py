@@ -41,7 +41,11 @@ def configure(vllm_config) -> None:
         scheduler.max_num_batched_tokens = max(scheduler.max_num_batched_tokens, vllm_config.model_config.max_model_len)
     vllm_config.parallel_config.worker_cls = WORKER
     scheduler.scheduler_cls = SCHEDULER
-    logger.info("kvmerge: compressing every prompt with %s, budget %s", settings.method, settings.budget)
+    method = settings.build()
+    if method.name == "full":
+        logger.info("kvmerge: every prompt keeps its whole cache (method full)")
+    else:
+        logger.info("kvmerge: compressing every prompt with %s, budget %s", settings.method, method.budget)
 
 
 def register() -> None:
