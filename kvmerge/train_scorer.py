@@ -316,7 +316,12 @@ def _elsewhere(config, kind: str = "linear", **_) -> Path | None:
     """The weights for `config` found outside the cache's own file (shipped, or in $KVMERGE_SCORERS)."""
     from .scorer import locate
 
-    return None if trained_path(config, kind).exists() else locate(config, kind)
+    if trained_path(config, kind).exists():
+        return None
+    try:
+        return locate(config, kind)
+    except InputError:  # weights there that are not this model's: these take their place all the same
+        return None
 
 
 def _train_and_save(model, tokenizer, path: Path, shadows: Path | None = None, **kwargs) -> Path:
