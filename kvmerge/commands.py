@@ -299,14 +299,12 @@ def train_scorer(args) -> int:
         if out.suffix != ".safetensors":
             raise InputError(f"--out {args.out}: name the weights file NAME.safetensors (learnedzip looks for those)")
     quiet_loading(args)
+    from .model import BUNDLED, DEFAULT_MODEL
     from .scorer import Scorer, check_destination, search_folders
-
-    check_destination(out)
     from .train_scorer import main as train
 
+    check_destination(out)
     start, bar = time.perf_counter(), None
-    from .model import BUNDLED, DEFAULT_MODEL
-
     if out is None and (args.model is None or args.model in BUNDLED):
         print(f"training {args.model or DEFAULT_MODEL}, a bundled model whose weights ship with kvmerge: these take "
               "their place (delete the file written to go back); --model FOLDER trains your own model's",

@@ -188,14 +188,12 @@ def weights_sample(model) -> list[float] | None:
     """Two values of every weight tensor of `model`, at fixed places (a third and two thirds in), as
     floats: what tells two checkpoints of one architecture apart (the fingerprint holds only shapes).
     None when the weights cannot be read here (offloaded to the meta device, say)."""
-    out = []
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.device.type == "meta" or p.numel() == 0:
-                return None
-            flat = p.detach().reshape(-1)
-            out += flat[torch.tensor([flat.numel() // 3, 2 * flat.numel() // 3], device=flat.device)].float().tolist()
-    return out
+    params = list(model.parameters())
+    if any(p.device.type == "meta" or p.numel() == 0 for p in params):
+        return None
+    with torch.no_grad():  # one read back: two values of each tensor, gathered on its device
+        picks = [p.detach().reshape(-1)[[p.numel() // 3, 2 * p.numel() // 3]].float().cpu() for p in params]
+    return torch.cat(picks).tolist()
 
 
 def same_weights(stored: list[float], here: list[float] | None) -> bool:

@@ -174,11 +174,7 @@ def load_plugins(names: list[str]) -> None:
                 continue
             spec = importlib.util.spec_from_file_location(module, path)
             sys.modules[module] = importlib.util.module_from_spec(spec)
-            try:
-                spec.loader.exec_module(sys.modules[module])
-            except Exception as e:  # noqa: BLE001 - the plugin's own error, in one line naming it
-                del sys.modules[module]
-                raise ValueError(f"kvmerge: importing methods from {name} failed: {type(e).__name__}: {e}") from e
+            _importing(name, lambda: spec.loader.exec_module(sys.modules[module]), undo=lambda: sys.modules.pop(module))
         else:
             try:
                 found = importlib.util.find_spec(name) is not None
@@ -186,7 +182,14 @@ def load_plugins(names: list[str]) -> None:
                 found = False
             if not found:
                 raise ValueError(f"kvmerge: no module or file {name!r} to import methods from")
-            try:
-                importlib.import_module(name)
-            except Exception as e:  # noqa: BLE001
-                raise ValueError(f"kvmerge: importing methods from {name} failed: {type(e).__name__}: {e}") from e
+            _importing(name, lambda: importlib.import_module(name))
+
+
+def _importing(name: str, run, undo=lambda: None) -> None:
+    """`run()`, the import of plugin `name`; its own error (a missing module, a syntax error) becomes one
+    ValueError line naming the plugin, after `undo()`."""
+    try:
+        run()
+    except Exception as e:  # noqa: BLE001 - the plugin's own error, in one line naming it
+        undo()
+        raise ValueError(f"kvmerge: importing methods from {name} failed: {type(e).__name__}: {e}") from e
