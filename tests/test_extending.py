@@ -5,6 +5,7 @@ new runtime is one subclass of `Runtime` that declares what it offers, and compr
 planner."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 import kvmerge
 from kvmerge.vllm.runtime import VllmRuntime
 from kvmerge.methods import LayerState, Needs
+from kvmerge.methods import registry
 from kvmerge.methods.registry import load_plugins
 from kvmerge.ops.kv import KV
 from kvmerge.planner import Entries, View, compress_layers
@@ -25,7 +27,11 @@ PLUGIN = Path(__file__).parent / "plugins" / "lastquery.py"
 
 @pytest.fixture(scope="module", autouse=True)
 def lastquery():
+    """The plugin registered for this module's tests only: later modules see the built-in methods."""
     load_plugins([str(PLUGIN)])
+    yield
+    registry._REGISTRY.pop("lastquery", None)
+    sys.modules.pop(f"kvmerge_plugin_{PLUGIN.stem}", None)
 
 
 def _kept(spec, chunk=None, ids=None):
