@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .errors import InputError, KVMergeError, one_line
-from .files import publish
+from .files import written
 from .layer import MergedLayer
 from .sliding import SlidingLayer
 
@@ -60,10 +60,10 @@ def write(path, tensors: dict, meta: dict) -> Path:
                                                      f"no folder {str(path.parent)!r}"))
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     text = json.dumps(meta)
-    tmp = path.with_name(path.name + ".part")
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": str(VERSION), "meta": text,
-                                           "digest": digest(text, tensors)})
-    return publish(tmp, path)
+    with written(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": str(VERSION), "meta": text,
+                                               "digest": digest(text, tensors)})
+    return path
 
 
 def _opened(path, take):

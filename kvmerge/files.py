@@ -3,7 +3,22 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
+
+
+@contextmanager
+def written(path: Path):
+    """`with written(path) as tmp:` write the file at `tmp` (hidden, beside `path`, named by this
+    process); when the block ends without an error it is published over `path` (`publish`), else
+    removed. Two processes writing one path each write their own; the last to finish wins whole."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        publish(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def publish(tmp: Path, path: Path) -> Path:

@@ -103,24 +103,18 @@ class Scorer:
     def save(self, path: Path) -> None:
         """Write the weights to `path` whole: into a temporary file beside it, then renamed over it, so
         that a run stopped mid-write leaves no half-written weights where `find` looks."""
-        import os
-
         from safetensors.torch import save_file
 
-        from .files import publish
+        from .files import written
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            tensors = self.tensors()
-            if self.calibration is not None:
-                tensors.update({"calibration.x": self.calibration[0], "calibration.y": self.calibration[1]})
+        tensors = self.tensors()
+        if self.calibration is not None:
+            tensors.update({"calibration.x": self.calibration[0], "calibration.y": self.calibration[1]})
+        with written(path) as tmp:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
                       metadata={"model": self.model, "kind": self.kind, "meta": json.dumps(self.meta)})
-            publish(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
 
     def shape(self) -> tuple[int, int, int]:
         """(compressed layers, features per token, KV heads) the weights are for."""
@@ -145,9 +139,10 @@ class Scorer:
             layers, _, heads = scorer.shape()
             if calibration:
                 if len(calibration) != 2 or calibration[0].shape != calibration[1].shape \
-                        or calibration[0].ndim != 3 or calibration[0].shape[:2] != (layers, heads):
+                        or calibration[0].ndim != 3 or calibration[0].shape[:2] != (layers, heads) \
+                        or calibration[0].shape[2] < 2:
                     raise ValueError(f"calibration of shapes {[tuple(t.shape) for t in calibration]}, expected two "
-                                     f"({layers}, {heads}, K)")
+                                     f"({layers}, {heads}, K), K >= 2")
                 scorer.calibration = calibration
         except (KeyError, IndexError, ValueError, TypeError, RuntimeError) as e:
             raise InputError(f"scorer weights {path} are incomplete or corrupt ({type(e).__name__}: {one_line(e)}): "
@@ -221,13 +216,17 @@ class MLPScorer(Scorer):
         return {f"layer{i}.{k}": v.half() for i, layer in enumerate(self.layers) for k, v in layer.items()}
 
     def shape(self) -> tuple[int, int, int]:
-        sizes = {(tuple(p["mu"].shape), tuple(p["w1"].shape), tuple(p["w2"].shape), tuple(p["b2"].shape))
-                 for p in self.layers}
+        sizes = {tuple(tuple(p[k].shape) for k in self.PARTS) for p in self.layers}
         if len(sizes) != 1:
             raise ValueError(f"layers of different shapes {sorted(sizes)}")
-        (features,), (rows, hidden), (hidden2, heads), _ = next(iter(sizes))
-        if rows != features or hidden2 != hidden:
-            raise ValueError(f"w1 {(rows, hidden)} and w2 {(hidden2, heads)} do not chain from {features} features")
+        shapes = dict(zip(self.PARTS, next(iter(sizes))))
+        (features,), (hidden,), (heads,) = shapes["mu"], shapes["b1"], shapes["b2"]
+        expected = dict(mu=(features,), sd=(features,), w1=(features, hidden), b1=(hidden,), w2=(hidden, heads),
+                        b2=(heads,))
+        if shapes != expected:
+            raise ValueError(f"parts of shapes {shapes} do not chain from {features} features")
+        if not all(v.is_floating_point() for p in self.layers for v in p.values()):
+            raise ValueError("parts that are not floating point")
         return len(self.layers), features, heads
 
     @classmethod
@@ -274,6 +273,8 @@ def _read(path: Path, tensors: bool = True, anonymous: bool = False) -> tuple[di
             out = {k: f.get_tensor(k) for k in f.keys()} if tensors else {}
     except FileNotFoundError:
         raise InputError(f"no scorer weights file {path}") from None
+    except (PermissionError, IsADirectoryError) as e:
+        raise InputError(f"cannot read the scorer weights {path} ({one_line(e)})") from None
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         reason = one_line(e).removeprefix("Error while deserializing header: ")
         raise InputError(f"scorer weights {path} are truncated or corrupt, not a whole safetensors file ({reason}): "
@@ -304,12 +305,10 @@ def check_destination(out: Path | None) -> None:
                          + ("" if out is not None else ", or set KVMERGE_CACHE"))
     if out is not None and out.exists():
         try:
-            meta, _ = _read(out, tensors=False)
-        except InputError:
-            meta = {}
-        if "model" not in meta:
-            raise InputError(f"--out {out} exists and is not scorer weights `kvmerge train-scorer` wrote: "
-                             "give a new file name (it would be overwritten)")
+            _read(out, tensors=False)
+        except InputError as e:
+            raise InputError(f"--out {out} exists and is not scorer weights `kvmerge train-scorer` wrote "
+                             f"({one_line(e)}): give a new file name (it would be overwritten)") from None
 
 
 TRAINING_TIME = "4–8 minutes for the bundled models on 2 CPU cores, more in proportion to a model's prefill"
@@ -357,19 +356,23 @@ _skipped: set[Path] = set()  # damaged files among the candidates, already repor
 
 def locate(config, kind: str = "linear") -> Path | None:
     """The weights file `find` would load for the model with `config` (None: there is none). Reads
-    metadata only; a damaged file among the candidates is skipped with one logged line; a file at
-    `trained_path` made for another model is refused naming both."""
+    metadata only, except for a file naming the fingerprint before layer windows counted (another
+    model's now, when it attends in full throughout): loaded and passed over unless it fits. A damaged
+    file among the candidates is skipped with one logged line; a file at `trained_path` made for
+    another model, or of another kind, is refused naming both."""
 
     keys = fingerprints(config)
     for key in keys:  # trained here: named by the fingerprint (or by the one before layer windows counted)
         own = _named(key, kind)
-        if own.exists():
-            meta, _ = _read(own, tensors=False)
-            if meta.get("model") != key or meta.get("kind", "linear") != kind:
-                Scorer.load(own, config)  # refused, naming both models
-                raise InputError(f"scorer weights {own} are a {meta.get('kind', 'linear')} scorer, not {kind}: "
-                                 f"train them again with `kvmerge train-scorer --kind {kind}`")
-            return own
+        if not own.exists() or (key != keys[0] and not _fits(own, config)):
+            continue
+        meta, _ = _read(own, tensors=False)
+        if meta.get("kind", "linear") != kind:
+            raise InputError(f"scorer weights {own} are a {meta.get('kind', 'linear')} scorer, not {kind}: "
+                             f"train them again with `kvmerge train-scorer --kind {kind}`")
+        if meta.get("model") != key:
+            Scorer.load(own, config)  # refused, naming both models, unless they fit this one
+        return own
     for path in (p for folder in search_folders() for p in sorted(folder.glob("*.safetensors"))):
         try:
             meta, _ = _read(path, tensors=False, anonymous=True)  # is it this model's, of this kind?
@@ -378,6 +381,16 @@ def locate(config, kind: str = "linear") -> Path | None:
                 _skipped.add(path)
                 logging.getLogger("kvmerge").warning(f"kvmerge: skipped {e}")
             continue
-        if meta.get("model") in keys and meta.get("kind", "linear") == kind:
+        if meta.get("model") in keys and meta.get("kind", "linear") == kind \
+                and (meta["model"] == keys[0] or _fits(path, config)):
             return path
     return None
+
+
+def _fits(path: Path, config) -> bool:
+    """Whether the weights in `path` load for the model with `config`."""
+    try:
+        Scorer.load(path, config)
+    except InputError:
+        return False
+    return True

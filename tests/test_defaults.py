@@ -134,7 +134,8 @@ def test_train_scorer_refuses_a_destination_it_must_not_replace_or_cannot_write(
     save_file({"w": torch.ones(3)}, str(weights), metadata={"format": "pt"})
     model = ["train-scorer", "--model", str(tmp_path)]
     fails(capsys, model + ["--out", str(weights)],
-          f"--out {weights} exists and is not scorer weights `kvmerge train-scorer` wrote: give a new")
+          f"--out {weights} exists and is not scorer weights `kvmerge train-scorer` wrote (scorer weights {weights} "
+          "name no model in their metadata", "): give a new file name")
     locked = tmp_path / "ro"
     locked.mkdir()
     locked.chmod(0o500)

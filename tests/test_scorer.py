@@ -249,6 +249,45 @@ def test_weights_without_kvmerge_metadata_are_refused(tmp_path):
         Scorer.load(tmp_path / "y.safetensors")
 
 
+@pytest.mark.parametrize("damage", ["b1", "sd", "calibration"])
+def test_weights_whose_parts_do_not_chain_are_refused_at_load(tmp_path, damage):
+    """Every part of an MLP layer and a calibration's quantiles are checked when the file loads, not
+    when a compression first uses them."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    layers, features_, heads = scorer_module.model_shape(model.config)
+    mlp = MLPScorer([{"mu": torch.zeros(features_), "sd": torch.ones(features_), "w1": torch.zeros(features_, 4),
+                      "b1": torch.zeros(4), "w2": torch.zeros(4, heads), "b2": torch.zeros(heads)}
+                     for _ in range(layers)], fingerprint(model.config), {})
+    mlp.calibration = (torch.zeros(layers, heads, 3), torch.zeros(layers, heads, 3))
+    mlp.save(tmp_path / "w.safetensors")
+    assert Scorer.load(tmp_path / "w.safetensors", model.config).shape() == (layers, features_, heads)
+    tensors = load_file(str(tmp_path / "w.safetensors"))
+    if damage == "calibration":  # one quantile: nothing to map between
+        tensors.update({f"calibration.{k}": torch.zeros(layers, heads, 1) for k in "xy"})
+    else:
+        tensors[f"layer0.{damage}"] = torch.zeros(tensors[f"layer0.{damage}"].shape[0] + 1)
+    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata={"model": mlp.model, "kind": "mlp", "meta": "{}"})
+    with pytest.raises(kvmerge.KVMergeError, match=r"bad.safetensors are incomplete or corrupt \(ValueError: "):
+        Scorer.load(tmp_path / "bad.safetensors", model.config)
+
+
+def test_weights_this_process_cannot_read_are_named_so_not_corrupt(tmp_path, monkeypatch):
+    """(A file without read permission, as a non-root user meets it: root reads any file.)"""
+    import safetensors
+
+    path = tmp_path / "w.safetensors"
+    _weights_for(tiny_model(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)).save(path)
+
+    def unreadable(name, framework):
+        raise PermissionError(13, "Permission denied", name)
+
+    monkeypatch.setattr(safetensors, "safe_open", unreadable)
+    with pytest.raises(kvmerge.KVMergeError, match=rf"^cannot read the scorer weights {path} \(.*Permission denied"):
+        Scorer.load(path)
+
+
 def test_saving_weights_leaves_nothing_half_written(tmp_path, monkeypatch):
     """A save that fails mid-write leaves neither a partial file nor its temporary beside it; an old
     file at the place is kept whole."""
@@ -377,3 +416,25 @@ def test_the_fingerprint_tells_layer_layouts_apart_and_accepts_files_from_before
     assert ctx.meta["model"] == now
     path = _tamper(ctx.save(tmp_path / "c.kvz"), tmp_path / "old.kvz", lambda t, m: m.update(model=before), True)
     assert kvmerge.load_context(path, model, TinyTokenizer()).tokens == 120
+
+
+def test_a_full_attention_models_weights_under_the_old_fingerprint_do_not_hide_a_sliding_models(tmp_path,
+                                                                                                  monkeypatch):
+    """The fingerprint before layer windows counted is a full-attention model's of the same shapes now: its
+    weights trained here are passed over for the sliding model, whose own weights are still found."""
+    import copy
+
+    from kvmerge.scorer import model_shape, trained_path
+
+    from .test_hybrid import gemma3
+
+    monkeypatch.setenv("KVMERGE_CACHE", str(tmp_path))
+    model = gemma3()
+    full = copy.deepcopy(model.config)
+    full.layer_types = ["full_attention"] * full.num_hidden_layers
+    layers, features_, heads = model_shape(full)
+    theirs = LinearScorer([torch.zeros(features_ + 1, heads) for _ in range(layers)], fingerprint(full), {})
+    theirs.save(trained_path(full))
+    assert locate(full) == trained_path(full)
+    assert locate(model.config) not in (None, trained_path(full))
+    assert find(model.config).shape() == model_shape(model.config) != model_shape(full)
