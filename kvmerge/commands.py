@@ -300,7 +300,7 @@ def train_scorer(args) -> int:
             raise InputError(f"--out {args.out}: name the weights file NAME.safetensors (learnedzip looks for those)")
     quiet_loading(args)
     from .model import BUNDLED, DEFAULT_MODEL
-    from .scorer import Scorer, check_destination, search_folders
+    from .scorer import Scorer, check_destination, search_folders, trained_path
     from .train_scorer import main as train
 
     check_destination(out)
@@ -323,14 +323,19 @@ def train_scorer(args) -> int:
     finally:
         if bar is not None:
             bar.close()
-    meta = Scorer.load(path).meta
+    scorer = Scorer.load(path)
+    meta = scorer.meta
     print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB) in {time.perf_counter() - start:.0f} s; agreement with "
           f"KVzip on {meta['held_back']} held-back pieces: top-10% {meta['top10_overlap']:.3f}, "
           f"top-25% {meta['top25_overlap']:.3f} per head (a random ranking's: 0.100, 0.250)")
     if args.kind != "linear":
         print(f"{args.kind} weights are read by --method learnedzip:scorer={args.kind}; the default method reads the "
               "linear scorer's (train-scorer without --kind)", file=sys.stderr)
-    if out is not None and out.resolve().parent not in {f.resolve() for f in search_folders()}:
+    own = trained_path(scorer.model, args.kind)  # the cache's file for this model: read before any folder
+    if out is not None and own.exists() and own.resolve() != out.resolve():
+        print(f"learnedzip reads {own}, trained here earlier, before any folder: delete it for {out} to be read",
+              file=sys.stderr)
+    elif out is not None and out.resolve().parent not in {f.resolve() for f in search_folders()}:
         print(f"learnedzip finds it with KVMERGE_SCORERS={out.resolve().parent} in the environment", file=sys.stderr)
     return 0
 

@@ -59,7 +59,7 @@ def default_method(model_or_config, runtime: str = "transformers") -> str:
     if key not in _told:
         _told.add(key)
         name = getattr(config, "name_or_path", "") or "PATH"
-        then = SLIDING if sliding_layer_count(config) else LEARNED
+        then = VLLM if runtime == "vllm" else SLIDING if sliding_layer_count(config) else LEARNED
         logger.warning(f"kvmerge: {why} (fingerprint {key}), so the default method is {FALLBACK}; "
                        f"`kvmerge train-scorer --model {name}` fits them ({TRAINING_TIME}), then the default is "
                        f"{then}")

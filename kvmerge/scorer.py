@@ -314,15 +314,12 @@ def check_destination(out: Path | None) -> None:
 TRAINING_TIME = "4–8 minutes for the bundled models on 2 CPU cores, more in proportion to a model's prefill"
 
 
-def trained_path(config, kind: str = "linear") -> Path:
-    """Where `kvmerge train-scorer` writes a model's weights: `<cache dir>/scorers/<fingerprint>.safetensors`
-    (`<fingerprint>-mlp.safetensors` for an MLP)."""
-    return _named(fingerprint(config), kind)
-
-
-def _named(key: str, kind: str) -> Path:
+def trained_path(model, kind: str = "linear") -> Path:
+    """Where `kvmerge train-scorer` writes the weights for a model (its config, or its fingerprint):
+    `<cache dir>/scorers/<fingerprint>.safetensors` (`<fingerprint>-mlp.safetensors` for an MLP)."""
     from .model import cache_dir
 
+    key = model if isinstance(model, str) else fingerprint(model)
     return cache_dir() / "scorers" / (key + ("" if kind == "linear" else f"-{kind}") + ".safetensors")
 
 
@@ -363,7 +360,7 @@ def locate(config, kind: str = "linear") -> Path | None:
 
     keys = fingerprints(config)
     for key in keys:  # trained here: named by the fingerprint (or by the one before layer windows counted)
-        own = _named(key, kind)
+        own = trained_path(key, kind)
         if not own.exists() or (key != keys[0] and not _fits(own, config)):
             continue
         meta, _ = _read(own, tensors=False)

@@ -6,7 +6,9 @@ Text: documentation that ships with the system, none of it an evaluation genre: 
 Python's standard library (its language reference, `pydoc_data`, is the `docs` genre and is left
 out, as are tests) and Perl's pod pages where Perl is installed. Each text is cut into pieces of
 `length` tokens, each fed after the chat template's opening of a user turn (when the model has one),
-as a context is in use. Reproducible: the texts' order and the held-back split come from `seed`.
+as a context is in use. Reproducible where the texts are the same (one Python version, one Perl):
+the texts' order and the held-back split come from `seed`; packages installed into Python's own
+`site-packages` are not read.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .errors import InputError
-from .scorer import LinearScorer, MLPScorer, Scorer, features, fingerprint, trained_path, unrotate
+from .scorer import LinearScorer, MLPScorer, Scorer, features, fingerprint, fingerprints, trained_path, unrotate
 
 PERL_PODS = ("/usr/share/perl", "/usr/lib/x86_64-linux-gnu/perl")
 
@@ -32,7 +34,8 @@ def corpus() -> list[str]:
     texts = []
     stdlib = Path(os.__file__).parent
     for path in sorted(glob.glob(f"{stdlib}/*.py") + glob.glob(f"{stdlib}/*/*.py")):
-        if any(part in path for part in ("pydoc_data", "test", "idlelib")):
+        where = str(Path(path).relative_to(stdlib))  # not the folders above it (a Python under .../test/)
+        if any(part in where for part in ("pydoc_data", "test", "idlelib", "site-packages", "dist-packages")):
             continue
         try:
             tree = ast.parse(Path(path).read_text(encoding="utf-8"))
@@ -209,6 +212,8 @@ def train(model, tokenizer, texts: int = 100, held: int = 6, length: int = 1024,
         raise ValueError(f"the scorer's target must be one of {', '.join(TARGETS)}, got {target!r}")
     if not ridge >= 0:
         raise InputError(f"the ridge penalty must be >= 0, got {ridge}")
+    if texts < 1 or held < 1:
+        raise InputError(f"training needs at least one piece to fit and one held back, got texts={texts}, held={held}")
     sinks, window = 4, 32
     head = _opening(tokenizer)
     check_trainable(model, len(head), length)
@@ -288,31 +293,55 @@ def main(model_name: str | None, out: str | None = None, **kwargs) -> Path:
     """Train the scorer for a model and save it (`trained_path`, or `out`); returns the path. Weights
     there trained for another model of the same fingerprint (the same shapes: another checkpoint of
     one architecture) are replaced, saying so in one line; so are weights found elsewhere that these
-    now take the place of. One run at a time writes a file: a second is refused."""
+    now take the place of. An `out` holding another fingerprint's weights is refused before training.
+    One run at a time writes a file: a second is refused."""
     import hashlib
 
     from filelock import FileLock, Timeout
 
-    from .model import cache_dir, load_model
+    from .model import load_model
 
     model, tokenizer = load_model(model_name)
-    path = Path(out) if out else trained_path(model.config, kwargs.get("kind", "linear"))
-    locks = cache_dir() / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(locks / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16] + ".lock"))
+    kind = kwargs.get("kind", "linear")
+    path = Path(out) if out else trained_path(model.config, kind)
+    if out and path.exists():  # scorer weights (check_destination): this model's, or refused before training
+        theirs = Scorer.load(path)
+        if theirs.model not in fingerprints(model.config):
+            raise InputError(f"--out {path} holds weights made for another model ({theirs.meta.get('model_name') or '?'}, "
+                             f"fingerprint {theirs.model}; this one's is {fingerprint(model.config)}): give a new file "
+                             "name (they would be overwritten)")
+    lock = FileLock(_locks() / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16] + ".lock"))
     try:
         lock.acquire(timeout=0)
     except Timeout:
         raise InputError(f"another `kvmerge train-scorer` is writing {path}: wait for it to finish, or give "
                          "--out another file") from None
     try:
-        return _train_and_save(model, tokenizer, path, shadows=None if out else _elsewhere(model.config, **kwargs),
+        return _train_and_save(model, tokenizer, path, shadows=None if out else _elsewhere(model.config, kind),
                                **kwargs)
     finally:
         lock.release()
 
 
-def _elsewhere(config, kind: str = "linear", **_) -> Path | None:
+def _locks() -> Path:
+    """The folder of train-scorer's locks, one per destination: the cache's `locks/`, or the system's
+    temporary folder's `kvmerge-locks/` where the cache cannot be written (weights written to --out)."""
+    import tempfile
+
+    from .model import cache_dir
+
+    for folder in (cache_dir() / "locks", Path(tempfile.gettempdir()) / "kvmerge-locks"):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(folder, os.W_OK | os.X_OK):
+            return folder
+    raise InputError(f"cannot make a folder for train-scorer's lock in the cache ({cache_dir()}) or the "
+                     "temporary folder: set KVMERGE_CACHE to a folder you can write")
+
+
+def _elsewhere(config, kind: str = "linear") -> Path | None:
     """The weights for `config` found outside the cache's own file (shipped, or in $KVMERGE_SCORERS)."""
     from .scorer import locate
 

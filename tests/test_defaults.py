@@ -12,6 +12,7 @@ import kvmerge
 import kvmerge.defaults
 from kvmerge.errors import InputError
 from kvmerge.defaults import default_method
+from kvmerge.scorer import fingerprint
 
 from .conftest import TinyTokenizer, random_ids, tiny_model
 from .test_hybrid import gemma3
@@ -38,6 +39,9 @@ def test_a_model_without_weights_defaults_to_mixedmerge_with_one_line_naming_the
     (line,) = told(caplog)  # once per model, however often asked
     assert "\n" not in line and "so the default method is mixedmerge" in line
     assert "`kvmerge train-scorer --model PATH` fits them" in line and "then the default is learnedzip" in line
+    kvmerge.defaults._told.clear()
+    assert default_method(model.config, runtime="vllm") == "mixedmerge"
+    assert told(caplog)[-1].endswith("then the default is learnedzip:alloc=uniform")  # vLLM's, once trained
 
 
 def test_weights_that_do_not_fit_or_a_model_kvmerge_cannot_run_fall_back_to_mixedmerge(caplog, monkeypatch, tmp_path):
@@ -112,6 +116,38 @@ def test_training_over_found_weights_says_which_it_replaces_and_one_run_writes_a
         ts.main("tiny", out=str(out), texts=3, held=1, length=96)
     monkeypatch.setattr(FileLock, "acquire", original)
     assert lock.exists() and not out.exists()
+
+
+def test_training_into_another_models_weights_is_refused_before_training(monkeypatch, tmp_path, capsys):
+    """--out holding weights of another fingerprint would lose them: refused before any piece; an --out the
+    model's own earlier file would hide is named; a cache that cannot hold locks does not stop --out."""
+    from kvmerge.commands import train_scorer
+    from kvmerge.scorer import trained_path
+
+    model, other = no_weights(), tiny_model()
+    theirs = tmp_path / "team.safetensors"
+    kvmerge.scorer.find(other.config).save(theirs)
+    ts = _train_tiny(monkeypatch, model)
+    monkeypatch.setattr(ts, "train", lambda *a, **k: pytest.fail("trained over another model's weights"))
+    with pytest.raises(InputError, match=rf"--out {theirs} holds weights made for another model \(.*fingerprint "
+                                         rf"{fingerprint(other.config)}; this one's is {fingerprint(model.config)}\): "
+                                         "give a new file name"):
+        ts.main("tiny", out=str(theirs), texts=3, held=1, length=96)
+    monkeypatch.undo()
+    ts = _train_tiny(monkeypatch, model)
+    monkeypatch.setenv("KVMERGE_CACHE", str(tmp_path / "cache"))
+    ts.main("tiny", texts=3, held=1, length=96)  # the cache's own file: read before any folder
+    for lock in (tmp_path / "cache" / "locks").glob("*"):
+        lock.unlink()
+    (tmp_path / "cache" / "locks").rmdir()
+    (tmp_path / "cache" / "locks").write_text("not a folder")  # no locks in the cache: the temporary folder's
+    out = tmp_path / "mine.safetensors"
+    train_scorer(SimpleNamespace(model=None, out=str(out), texts=3, held=1, length=96, seed=0, ridge=1e-2,
+                                         kind="linear", hidden=64, epochs=8, target="log", no_progress=True,
+                                 debug=False))
+    err = capsys.readouterr().err
+    assert out.exists() and f"learnedzip reads {trained_path(model.config)}, trained here earlier, before any " \
+        f"folder: delete it for {out} to be read" in err
 
 
 def test_training_with_a_tokenizer_that_is_not_the_models_is_refused_naming_it(monkeypatch):

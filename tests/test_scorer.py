@@ -438,3 +438,18 @@ def test_a_full_attention_models_weights_under_the_old_fingerprint_do_not_hide_a
     assert locate(full) == trained_path(full)
     assert locate(model.config) not in (None, trained_path(full))
     assert find(model.config).shape() == model_shape(model.config) != model_shape(full)
+
+
+def test_the_training_text_is_pythons_own_library_wherever_python_lives(tmp_path, monkeypatch):
+    """Modules installed into Python's own site-packages are not read (a `pip install` would change the
+    pieces and their shuffle), nor are its tests; a Python under a folder named like a test is read."""
+    import kvmerge.train_scorer as ts
+
+    stdlib = tmp_path / "envs" / "test" / "lib" / "python3"
+    text = '"""' + "A sentence of documentation that is long enough. " * 80 + '"""\n'
+    for name in ("os.py", "shelve.py", "json/decoder.py", "unittest/case.py", "site-packages/extra.py"):
+        (stdlib / name).parent.mkdir(parents=True, exist_ok=True)
+        (stdlib / name).write_text(text.replace("A sentence", name))
+    monkeypatch.setattr(ts.os, "__file__", str(stdlib / "os.py"))
+    monkeypatch.setattr(ts, "PERL_PODS", ())
+    assert [t.split(" of ")[0] for t in ts.corpus()] == ["json/decoder.py", "os.py", "shelve.py"]
