@@ -191,17 +191,44 @@ def weights_sample(model) -> list[float] | None:
     params = list(model.parameters())
     if any(p.device.type == "meta" or p.numel() == 0 for p in params):
         return None
-    with torch.no_grad():  # one read back: two values of each tensor, gathered on its device
-        picks = [p.detach().reshape(-1)[[p.numel() // 3, 2 * p.numel() // 3]].float().cpu() for p in params]
-    return torch.cat(picks).tolist()
+    with torch.no_grad():  # gathered on each device, then one copy to the CPU per device
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in params:
+            at = torch.tensor([p.numel() // 3, 2 * p.numel() // 3], device=p.device)
+            by_device.setdefault(p.device, []).append(p.detach().reshape(-1)[at].float())
+        read = {device: torch.cat(picks).cpu() for device, picks in by_device.items()}
+    offsets = {device: 0 for device in read}
+    out = []
+    for p in params:  # back in the parameters' order
+        out += read[p.device][offsets[p.device]:offsets[p.device] + 2].tolist()
+        offsets[p.device] += 2
+    return out
+
+
+def _precision(x: torch.Tensor) -> torch.dtype:
+    """The coarsest of bfloat16, float16 and float32 that holds every value of `x` (float32) exactly."""
+    for dtype in (torch.bfloat16, torch.float16):
+        if torch.equal(x.to(dtype).float(), x):
+            return dtype
+    return torch.float32
 
 
 def same_weights(stored: list[float], here: list[float] | None) -> bool:
-    """Whether two `weights_sample`s come from one checkpoint, up to a dtype's rounding (bfloat16's 1/256)."""
+    """Whether two `weights_sample`s come from one checkpoint: equal once both are rounded to the coarser
+    of the dtypes the two runs held them in (a bfloat16 run's file loads into the same checkpoint in
+    float32; a fine-tune moves most values across a rounding step). bfloat16 against float16: within
+    one bfloat16 step (rounding twice)."""
     if here is None:
         return True  # nothing to compare here: the fingerprint and shapes stand alone
-    a, b = torch.tensor(stored, dtype=torch.float64), torch.tensor(here, dtype=torch.float64)
-    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-2, atol=1e-4))
+    a, b = torch.tensor(stored, dtype=torch.float32), torch.tensor(here, dtype=torch.float32)
+    if a.shape != b.shape:
+        return False
+    held = {_precision(a), _precision(b)}
+    dtype = next(d for d in (torch.bfloat16, torch.float16, torch.float32) if d in held)
+    a, b = a.to(dtype).float(), b.to(dtype).float()
+    if held == {torch.bfloat16, torch.float16}:
+        return bool(torch.allclose(a, b, rtol=2 ** -7, atol=0))
+    return torch.equal(a, b)
 
 
 def compress_context(model, tokenizer, context, method=None, budget: float | int | None = None,

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import kvmerge
+from kvmerge.context import same_weights, weights_sample
 from kvmerge.errors import KVMergeError
 
 from .conftest import TinyTokenizer, random_ids, tiny_model
@@ -102,15 +103,18 @@ def test_a_file_from_another_checkpoint_of_the_same_shapes_is_refused(tmp_path):
     model, ctx = _context(tiny_model, "snapkv")
     path = ctx.save(tmp_path / "c.kvz")
     other = tiny_model(seed=1)
-    with torch.no_grad():  # a light fine-tune: every weight moved by about 1%
+    with torch.no_grad():  # a light fine-tune: every weight moved by about 0.1%, below bfloat16's step
         for p, q in zip(other.parameters(), model.parameters()):
-            p.copy_(q * (1 + 0.01 * torch.randn_like(q)))
+            p.copy_(q * (1 + 0.001 * torch.randn_like(q)))
     _refused(path, other, r"made with another checkpoint of this architecture .*compress the context again")
     assert kvmerge.load_context(path, tiny_model(), TinyTokenizer()).tokens == ctx.tokens  # the same weights
-    half = tiny_model(dtype=torch.bfloat16)
-    kvmerge.compress_context(half, TinyTokenizer(), random_ids(160, seed=1), "snapkv:window=8", 0.25).save(
-        tmp_path / "h.kvz")
-    assert kvmerge.load_context(tmp_path / "h.kvz", tiny_model(), TinyTokenizer()).tokens == ctx.tokens
+    for dtype in (torch.bfloat16, torch.float16):  # the same checkpoint held in 16 bits, both ways round
+        half = tiny_model(dtype=dtype)
+        kvmerge.compress_context(half, TinyTokenizer(), random_ids(160, seed=1), "snapkv:window=8", 0.25).save(
+            tmp_path / "h.kvz")
+        assert kvmerge.load_context(tmp_path / "h.kvz", tiny_model(), TinyTokenizer()).tokens == ctx.tokens
+        assert same_weights(weights_sample(tiny_model()), weights_sample(half))
+    assert same_weights(weights_sample(tiny_model(dtype=torch.bfloat16)), weights_sample(tiny_model(dtype=torch.float16)))
     _refused(_tamper(path, tmp_path / "t.kvz", lambda t, m: m.update(weights_sample="x"), True), model,
              "weights_sample is not a list of numbers")
     assert kvmerge.load_context(_tamper(path, tmp_path / "t.kvz", lambda t, m: m.pop("weights_sample"), True), other,
