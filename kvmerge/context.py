@@ -241,7 +241,7 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
     from .context_view import Provenance
     from .defaults import default_method, resolve
     from .progress import watching
-    from .scorer import fingerprint
+    from .scorer import fingerprint, model_label
 
     with refusing():
         call = "compress_context(model, tokenizer, context, ...)"
@@ -269,9 +269,7 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
     finally:
         getattr(report, "close", lambda: None)()
     dtype = session.cache.layers[0].keys.dtype
-    name = str(getattr(model.config, "name_or_path", ""))
-    name = str(Path(name).resolve()) if name and Path(name).exists() else name  # found from any folder
-    meta = {"model": fingerprint(model.config), "model_name": name,
+    meta = {"model": fingerprint(model.config), "model_name": model_label(model.config, ""),
             "tokenizer": tokenizer_hash(tokenizer), "ids_hash": ids_hash(ids), "tokens": len(ids),
             "method": spec, "budget": method.budget, "chat_template": chat,
             "dtype": str(dtype).removeprefix("torch."), "full_bytes": stock_cache_bytes(model.config, dtype, len(ids)),

@@ -36,7 +36,7 @@ def default_method(model_or_config, runtime: str = "transformers") -> str:
     line (once per model) naming `kvmerge train-scorer --model ...`."""
     from .errors import InputError
     from .model import SUPPORTED_MODEL_TYPES
-    from .scorer import TRAINING_TIME, Scorer, fingerprint, locate
+    from .scorer import TRAINING_TIME, Scorer, fingerprint, locate, model_label
     from .sliding import sliding_layer_count, sliding_only
 
     config = getattr(model_or_config, "config", model_or_config)
@@ -58,7 +58,7 @@ def default_method(model_or_config, runtime: str = "transformers") -> str:
     key = fingerprint(config)
     if key not in _told:
         _told.add(key)
-        name = getattr(config, "name_or_path", "") or "PATH"
+        name = model_label(config)
         then = VLLM if runtime == "vllm" else SLIDING if sliding_layer_count(config) else LEARNED
         logger.warning(f"kvmerge: {why} (fingerprint {key}), so the default method is {FALLBACK}; "
                        f"`kvmerge train-scorer --model {name}` fits them ({TRAINING_TIME}), then the default is "

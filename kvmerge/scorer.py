@@ -157,13 +157,13 @@ class Scorer:
         mine = model_shape(config)
         if self.model in fingerprints(config) and self.shape() == mine:
             return
-        name = _model_name(config)
+        name = model_label(config, "")
         theirs = self.meta.get("model_name") or (Path(path).stem.removesuffix("-mlp") if Path(path).parent == SHIPPED
                                                    else None)
         raise InputError(f"scorer weights {path or '(in memory)'} were made for another model "
                          f"({_describe(theirs, self.model, self.shape())}), not for this one "
                          f"({_describe(name, fingerprint(config), mine)}): train this model's with "
-                         f"`kvmerge train-scorer --model {name}`")
+                         f"`kvmerge train-scorer --model {name or 'PATH'}`")
 
 
 @dataclass
@@ -251,8 +251,13 @@ def model_shape(config) -> tuple[int, int, int]:
     return layers, (c.num_attention_heads + 2 * c.num_key_value_heads) * d, c.num_key_value_heads
 
 
-def _model_name(config) -> str:
-    return getattr(config, "name_or_path", "") or config.get_text_config(decoder=True).model_type
+def model_label(config, missing: str = "PATH") -> str:
+    """How files and advice name the model with `config`: its folder's resolved path (found again from
+    any folder), else its name (a hub id), else `missing` (a model built in memory has neither)."""
+    name = str(getattr(config, "name_or_path", "") or "")
+    if not name:
+        return missing
+    return str(Path(name).expanduser().resolve()) if Path(name).expanduser().exists() else name
 
 
 def _describe(name: str | None, key: str, shape: tuple[int, int, int]) -> str:
@@ -333,9 +338,10 @@ def find(config, kind: str = "linear") -> Scorer:
         raise InputError(f"no scorer kind {kind!r}; kinds: {', '.join(KINDS)}")
     path = locate(config, kind)
     if path is None:
-        key, name = fingerprint(config), _model_name(config)
+        key, name = fingerprint(config), model_label(config)
         flag = "" if kind == "linear" else f" --kind {kind}"
-        raise InputError(f"no learned {kind} scorer for this model ({name}, fingerprint {key}): train one with "
+        raise InputError(f"no learned {kind} scorer for this model ({model_label(config, 'unnamed')}, fingerprint {key}): "
+                         "train one with "
                          f"`kvmerge train-scorer --model {name}{flag}` ({TRAINING_TIME})")
     return Scorer.load(path, config)
 

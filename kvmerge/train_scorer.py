@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from .errors import InputError
-from .scorer import LinearScorer, MLPScorer, Scorer, features, fingerprint, fingerprints, trained_path, unrotate
+from .scorer import (LinearScorer, MLPScorer, Scorer, features, fingerprint, fingerprints, model_label, trained_path,
+                     unrotate)
 
 PERL_PODS = ("/usr/share/perl", "/usr/lib/x86_64-linux-gnu/perl")
 
@@ -277,7 +278,7 @@ def train(model, tokenizer, texts: int = 100, held: int = 6, length: int = 1024,
                 progress(texts + j + 1, texts + held)
     fitted = {"ridge": ridge} if kind == "linear" else {"hidden": hidden, "epochs": epochs, "rows_per_text": rows_per_text}
     fitted["target"] = target
-    scorer.meta = {"model_name": getattr(model.config, "name_or_path", "") or model.config.model_type, "texts": texts, "held_back": held, "length": length, "seed": seed, **fitted,
+    scorer.meta = {"model_name": model_label(model.config, model.config.model_type), "texts": texts, "held_back": held, "length": length, "seed": seed, **fitted,
                    "tokens": texts * (len(head) + length), "seconds": round(time.perf_counter() - start, 1),
                    "top10_overlap": round(sum(agreement[0.1]) / held, 4),
                    "top25_overlap": round(sum(agreement[0.25]) / held, 4)}

@@ -142,6 +142,11 @@ def test_training_into_another_models_weights_is_refused_before_training(monkeyp
     (tmp_path / "cache" / "locks").rmdir()
     (tmp_path / "cache" / "locks").write_text("not a folder")  # no locks in the cache: the temporary folder's
     out = tmp_path / "mine.safetensors"
+    import transformers.modeling_gguf_pytorch_utils as gguf
+    from transformers.utils import logging as hf_logging
+
+    monkeypatch.setattr(gguf, "tqdm", gguf.tqdm)  # --no-progress's switches, restored after the test
+    monkeypatch.setattr(hf_logging, "_tqdm_active", hf_logging.is_progress_bar_enabled())
     train_scorer(SimpleNamespace(model=None, out=str(out), texts=3, held=1, length=96, seed=0, ridge=1e-2,
                                          kind="linear", hidden=64, epochs=8, target="log", no_progress=True,
                                  debug=False))

@@ -185,8 +185,8 @@ def test_weights_made_for_another_model_are_refused_naming_both(tmp_path, monkey
     theirs.save(path)
     a, b = fingerprint(tiny_model().config), fingerprint(other.config)
     expected = (rf"scorer weights {path} were made for another model \(tiny-a, fingerprint {a}, 2 layers of 128 "
-                rf"features to 2 KV heads\), not for this one \(llama, fingerprint {b}, 2 layers of 64 features to "
-                r"1 KV heads\): train this model's with `kvmerge train-scorer --model llama`")
+                rf"features to 2 KV heads\), not for this one \(fingerprint {b}, 2 layers of 64 features to "
+                r"1 KV heads\): train this model's with `kvmerge train-scorer --model PATH`")  # built in memory: no name
     with pytest.raises(kvmerge.KVMergeError, match=expected):
         find(other.config)
     with pytest.raises(kvmerge.KVMergeError, match=expected):
@@ -206,7 +206,7 @@ def test_weights_naming_this_model_with_other_shapes_are_refused(tmp_path, monke
     wrong.save(tmp_path / "w.safetensors")
     monkeypatch.setenv("KVMERGE_SCORERS", str(tmp_path))
     with pytest.raises(kvmerge.KVMergeError, match=r"were made for another model \(fingerprint \w+, 3 layers of 64 "
-                       r"features to 1 KV heads\), not for this one \(llama, fingerprint \w+, 2 layers of 64"):
+                       r"features to 1 KV heads\), not for this one \(fingerprint \w+, 2 layers of 64"):
         find(model.config)
 
 
