@@ -63,6 +63,20 @@ class CompressedContext:
     def tokens(self) -> int:
         return int(self.meta["tokens"])
 
+    def check_for(self, model, tokenizer) -> None:
+        """Refuse (one line) answering with a model object other than the one holding this context, or a
+        tokenizer of other ids than the one it was compressed with."""
+        if model is not self.model:
+            raise OtherModelError(f"this compressed context is held by another model object "
+                                  f"({_name(self.meta.get('model_name'))}, fingerprint {self.meta['model']}): answer "
+                                  "with the model it was compressed or loaded with, or load its file for this model "
+                                  "(kvmerge.load_context)")
+        check_tokenizer(tokenizer, "answering a compressed context")
+        if tokenizer is not self.tokenizer and tokenizer_hash(tokenizer) != self.meta["tokenizer"]:
+            raise OtherModelError(f"this compressed context was made with another tokenizer (hash "
+                                  f"{self.meta['tokenizer']}, this one's {tokenizer_hash(tokenizer)}): answer with "
+                                  "the model's own tokenizer")
+
     def question_ids(self, question: str) -> list[int]:
         """The ids that follow the context for `question` (the chat template's rest included)."""
         with refusing():
@@ -163,6 +177,8 @@ def answer_contexts(model, tokenizer, contexts, questions, max_new_tokens: int =
                              f"{1 if isinstance(questions, str) else len(questions)} questions")
         if not all(isinstance(c, CompressedContext) for c in contexts):
             raise ParameterTypeError("answer_contexts takes compressed contexts (kvmerge.compress_context, load_context)")
+        for c in contexts:
+            c.check_for(model, tokenizer)
         rows = [c.question_ids(q) for c, q in zip(contexts, questions)]
         for c, q in zip(contexts, rows):
             validate(model, [[0] * c.tokens], [q], "agnostic", max_new_tokens, c.session.method)
@@ -291,6 +307,7 @@ def load_context(path, model, tokenizer) -> CompressedContext:
             raise ParameterTypeError(f"load_context(path, model, tokenizer) takes the file's path first, got "
                                      f"{type(path).__name__}")
         check_model(model, "load_context(path, model, tokenizer)")
+        check_tokenizer(tokenizer, "load_context(path, model, tokenizer)")
         path = Path(path)
         tensors, meta = read(path, check_file(path))
         if meta["model"] not in fingerprints(model.config):

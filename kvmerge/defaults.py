@@ -5,8 +5,9 @@ without a method, and the vLLM plugin without a "method" setting compress with (
 `learnedzip` where learned-scorer weights for the model are found (by its fingerprint, as
 `kvmerge.scorer.find` looks: trained here, in `$KVMERGE_SCORERS`, or shipped for the bundled SmolLM2
 and Gemma-3); on a model with sliding-window layers with the sliding share, `learnedzip:sliding=0.75`,
-as its held-out results were measured (docs/results.md, suite `generalise-test`); in vLLM
-`learnedzip:alloc=uniform` (one entry count for every layer and head there). Without weights,
+as its held-out results were measured (docs/results.md, suite `generalise-test`); in vLLM, and for a
+batch of rows of different lengths, `learnedzip:alloc=uniform` (one entry count for every layer and
+head: a global ranking and the sliding share need rows of one length). Without weights,
 `mixedmerge`, and one logged line (once per model and process) names the command that fits them. A
 model whose every layer attends in a sliding window (Mistral-7B-v0.1's config, Phi-3-mini's) has
 nothing to compress or train: `mixedmerge`, unannounced, which the session refuses naming `full`.
@@ -21,19 +22,20 @@ import logging
 LEARNED = "learnedzip"
 FALLBACK = "mixedmerge"
 SLIDING = "learnedzip:sliding=0.75"
-VLLM = "learnedzip:alloc=uniform"
-CANDIDATES = (LEARNED, SLIDING, VLLM, FALLBACK)  # every spec `default_method` returns
+UNIFORM = "learnedzip:alloc=uniform"  # one entry count for every layer and head: vLLM, rows of different lengths
+CANDIDATES = (LEARNED, SLIDING, UNIFORM, FALLBACK)  # every spec `default_method` returns
 RULE = (f"{LEARNED} where the model has learned-scorer weights (both bundled models; {SLIDING} on models with "
-        f"sliding-window layers, {VLLM} in vLLM), else {FALLBACK}")
+        f"sliding-window layers, {UNIFORM} in vLLM and for rows of different lengths), else {FALLBACK}")
 
 logger = logging.getLogger("kvmerge")
 _told: set[str] = set()  # fingerprints of the models already told how to train weights
 
 
-def default_method(model_or_config, runtime: str = "transformers") -> str:
+def default_method(model_or_config, runtime: str = "transformers", ragged: bool = False) -> str:
     """The default method's spec for a model (a transformers model or its config): see the module's
-    docstring. `runtime`: "transformers" (also chunked) or "vllm". Without weights, logs one warning
-    line (once per model) naming `kvmerge train-scorer --model ...`."""
+    docstring. `runtime`: "transformers" (also chunked) or "vllm"; `ragged`: for a batch of rows of
+    different lengths. Without weights, logs one warning line (once per model) naming
+    `kvmerge train-scorer --model ...`."""
     from .errors import InputError
     from .model import SUPPORTED_MODEL_TYPES
     from .scorer import TRAINING_TIME, Scorer, fingerprint, locate, model_label
@@ -52,30 +54,30 @@ def default_method(model_or_config, runtime: str = "transformers") -> str:
     except InputError as e:  # another model's of the same fingerprint (another layer layout, say)
         path, why = None, f"the learned-scorer weights found do not fit this model ({e})"
     if path is not None:
-        if runtime == "vllm":
-            return VLLM
+        if runtime == "vllm" or ragged:
+            return UNIFORM
         return SLIDING if sliding_layer_count(config) else LEARNED
     key = fingerprint(config)
     if key not in _told:
         _told.add(key)
         name = model_label(config)
-        then = VLLM if runtime == "vllm" else SLIDING if sliding_layer_count(config) else LEARNED
+        then = UNIFORM if runtime == "vllm" else SLIDING if sliding_layer_count(config) else LEARNED
         logger.warning(f"kvmerge: {why} (fingerprint {key}), so the default method is {FALLBACK}; "
                        f"`kvmerge train-scorer --model {name}` fits them ({TRAINING_TIME}), then the default is "
                        f"{then}")
     return FALLBACK
 
 
-def resolve(model, method, budget=None):
+def resolve(model, method, budget=None, ragged: bool = False):
     """(the method to run, whether it is the default) for the API's `method` and `budget`: None or "default" →
-    `default_method(model)`, built at `budget`; a name or spec → built at `budget` (a spec's own
+    `default_method(model, ragged=ragged)`, built at `budget`; a name or spec → built at `budget` (a spec's own
     `budget=` must agree); a `Method` as it is, refused with a `budget`, which goes with a name."""
     from .errors import ParameterTypeError
     from .methods import Method, get_method
     from .spec import check_budget_once
 
     if method is None or method == "default":  # "default": the name eval's method lists use for it
-        return get_method(default_method(model), budget), True
+        return get_method(default_method(model, ragged=ragged), budget), True
     if isinstance(method, Method) and budget is not None:
         raise ParameterTypeError("budget= goes with a method name or spec (method='snapkv', budget=0.1); a Method "
                                  "object carries its own (get_method('snapkv', budget=0.1))")

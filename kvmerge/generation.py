@@ -42,6 +42,13 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
         method, default = resolve(model, method, budget)
         contexts, questions, window = validate(model, context_ids, question_ids, protocol, max_new_tokens, method,
                                                 prefill_chunk)
+        lengths = {len(c) + (len(q) if protocol == "aware" else 0) for c, q in zip(contexts, questions)}
+        if len(lengths) > 1 and _one_length(method):
+            if not default:
+                raise InputError(f"{method.label}: {_one_length(method)}, so it needs rows of one length, and these "
+                                 f"have {len(lengths)} ({min(lengths):,}–{max(lengths):,} tokens): give it "
+                                 "alloc=uniform (one count for every layer and head) or run the rows one at a time")
+            method = resolve(model, None, method.budget, ragged=True)[0]
         if default:
             _check_tokenizer(method, tokenizer)
         if streamer is not None and len(contexts) > 1:
@@ -81,7 +88,7 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
                                     progress=progress, budget=budget, prefill_chunk=prefill_chunk)
     if isinstance(context, CompressedContext):
         with refusing():
-            _compressed_already(context, method, budget, prefill_chunk, chat_template=chat_template)
+            _compressed_already(context, model, tokenizer, method, budget, prefill_chunk, chat_template=chat_template)
         ends = end_ids(tokenizer, chat_template) if eos_token_id is None else eos_token_id
         outs = []
         for q in [questions] if isinstance(questions, str) else questions:
@@ -172,7 +179,7 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
     in (0, 1] or a whole number of entries (default: the method's, 0.25)."""
     if isinstance(context, CompressedContext):
         with refusing():
-            _compressed_already(context, method, budget, prefill_chunk, protocol, chat_template)
+            _compressed_already(context, model, tokenizer, method, budget, prefill_chunk, protocol, chat_template)
             if not isinstance(question, str):
                 raise ParameterTypeError("a compressed context answers one question str at a time here "
                                          "(several: kvmerge.answer_questions)")
@@ -211,9 +218,23 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
 
 
 # -- the steps ---------------------------------------------------------------------------------
-def _compressed_already(context, method, budget, prefill_chunk, protocol="agnostic", chat_template=True) -> None:
+def _one_length(method) -> str | None:
+    """Why `method` needs the rows it compresses at once to be of one length, or None."""
+    from .allocation import is_global
+
+    if is_global(method):
+        return f"alloc={method.alloc!r} ranks every layer and head of the batch at once"
+    if getattr(method, "sliding", None) is not None:
+        return f"sliding={method.sliding} moves one count of slots from the sliding layers to the others"
+    return None
+
+
+def _compressed_already(context, model, tokenizer, method, budget, prefill_chunk, protocol="agnostic",
+                        chat_template=True) -> None:
     """A compressed context was compressed with its own method and budget, before any question, framed
-    by the chat template or not: refuse options that would compress it again or frame it otherwise."""
+    by the chat template or not, by one model and tokenizer: refuse options that would compress it again
+    or frame it otherwise, and another model or tokenizer."""
+    context.check_for(model, tokenizer)
     given = [name for name, v in (("method", method), ("budget", budget), ("prefill_chunk", prefill_chunk))
              if v is not None]
     if given:
@@ -227,6 +248,10 @@ def _compressed_already(context, method, budget, prefill_chunk, protocol="agnost
     if context.meta["chat_template"] and not chat_template:
         raise InputError("this compressed context was framed by the chat template, so its questions are too: leave "
                          "chat_template=True (or compress the context with chat_template=False)")
+    if not context.meta["chat_template"] and chat_template and getattr(tokenizer, "chat_template", None):
+        raise InputError("this compressed context was not framed by the chat template (compressed from token ids, or "
+                         "with chat_template=False), so its questions are not either: pass chat_template=False to "
+                         "append the question as it is, or compress the context's text")
 
 
 def _check_tokenizer(method, tokenizer) -> None:

@@ -404,3 +404,48 @@ def test_a_model_folder_is_stored_as_a_full_path(tmp_path, monkeypatch):
     model.config.name_or_path = "m"
     ctx = kvmerge.compress_context(model, TinyTokenizer(), random_ids(120, seed=1), "snapkv:window=8", 0.25)
     assert ctx.meta["model_name"] == str((tmp_path / "m").resolve())
+
+
+class _Decoding(TinyTokenizer):
+    def decode(self, ids, skip_special_tokens=True):
+        return f"{len(ids)} ids"
+
+
+def test_a_context_in_memory_answers_only_with_its_own_model_and_tokenizer():
+    """Another model object, a tokenizer of other ids or none: refused in one line before any forward (a
+    context held by one model answered through another read the first's cache and the second's ids)."""
+    model, ctx = _context(tiny_model, "snapkv")
+
+    class Other(TinyTokenizer):
+        PIECES = {5: ".", 6: ";"}
+
+    calls = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    for answer in (lambda m, t: kvmerge.generate(m, t, ctx, "q", max_new_tokens=2),
+                   lambda m, t: kvmerge.answer_questions(m, t, ctx, ["q"], max_new_tokens=2),
+                   lambda m, t: kvmerge.answer_contexts(m, t, [ctx], ["q"], max_new_tokens=2)):
+        with pytest.raises(KVMergeError, match=r"^this compressed context is held by another model object .*: answer "
+                                               "with the model it was compressed or loaded with"):
+            answer(tiny_model(), TinyTokenizer())
+        with pytest.raises(KVMergeError, match=r"^this compressed context was made with another tokenizer \(hash "):
+            answer(model, Other())
+        with pytest.raises(KVMergeError, match="needs the model's tokenizer"):
+            answer(model, None)
+    hook.remove()
+    assert calls == []
+    ctx.question_ids = lambda q: [3]  # (TinyTokenizer cannot split a prompt or decode)
+    assert kvmerge.generate(model, _Decoding(), ctx, "q", max_new_tokens=2).text == "2 ids"  # the same ids: fine
+
+
+def test_a_context_compressed_from_ids_is_not_asked_through_the_chat_template():
+    """Ids are compressed as they are: a text question framed by the chat template would not close a
+    turn the context never opened, so it is refused; chat_template=False appends it as it is."""
+    model = tiny_model()
+    ctx = kvmerge.compress_context(model, TinyTokenizer(), random_ids(160, seed=1), "snapkv:window=8", 0.25)
+    chatty = _Decoding()
+    chatty.chat_template = "{{ messages }}"
+    ctx.tokenizer = chatty
+    with pytest.raises(KVMergeError, match="not framed by the chat template .*: pass chat_template=False"):
+        kvmerge.generate(model, chatty, ctx, "q", max_new_tokens=2)
+    ctx.question_ids = lambda q: [3]  # (TinyTokenizer cannot split a prompt)
+    assert kvmerge.generate(model, chatty, ctx, "q", max_new_tokens=2, chat_template=False).text == "2 ids"

@@ -286,3 +286,23 @@ def test_a_model_with_sliding_window_layers_only_is_not_sent_to_train(caplog):
     line advises `kvmerge train-scorer`."""
     every = tiny_model(sliding_window=16, layer_types=["sliding_attention", "sliding_attention"])
     assert default_method(every) == "mixedmerge" and told(caplog) == []
+
+
+def test_rows_of_different_lengths_run_the_default_with_one_count_per_layer_and_head():
+    """A global ranking and the sliding share need rows of one length: the default runs uniformly for
+    such a batch, a named method that needs them is refused before any forward, naming alloc=uniform."""
+    model = tiny_model()
+    rows, questions = [random_ids(150, seed=1), random_ids(170, seed=2)], [[3], [4]]
+    out = kvmerge.generate_ids(model, rows, questions, max_new_tokens=2, tokenizer=TinyTokenizer())
+    assert out.stats["method"] == "learnedzip" and out.tokens
+    alone = kvmerge.generate_ids(model, rows[:1], questions[:1], "learnedzip:alloc=uniform", max_new_tokens=2)
+    assert out.tokens[0] == alone.tokens[0]  # row 0 as the uniform default runs it alone
+    calls = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    for spec, why in (("snapkv:alloc=head", "alloc='head' ranks every layer and head of the batch at once"),
+                      ("learnedzip", "alloc='head' ranks")):
+        with pytest.raises(InputError, match=rf"{why}.*, so it needs rows of one length, and these have 2 \(150–170 "
+                                             r"tokens\): give it alloc=uniform"):
+            kvmerge.generate_ids(model, rows, questions, spec, max_new_tokens=2)
+    hook.remove()
+    assert calls == []
