@@ -172,6 +172,9 @@ def answer_contexts(model, tokenizer, contexts, questions, max_new_tokens: int =
     """One question (a str) per compressed context (`kvmerge.compress_context` or `load_context`),
     answered in one ragged batch; `.text` one str per row. The contexts come from one model and method."""
     with refusing():
+        if not isinstance(contexts, (list, tuple)):
+            raise ParameterTypeError(f"answer_contexts takes a list of compressed contexts and a list of questions, "
+                                     f"one each, got {type(contexts).__name__} (one context: kvmerge.generate)")
         if isinstance(questions, str) or len(questions) != len(contexts) or not contexts:
             raise InputError(f"answer_contexts takes one question per context: {len(contexts)} contexts, "
                              f"{1 if isinstance(questions, str) else len(questions)} questions")
@@ -263,6 +266,11 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
         call = "compress_context(model, tokenizer, context, ...)"
         check_model(model, call)
         check_tokenizer(tokenizer, call)
+        if not isinstance(context, (str, list, tuple, torch.Tensor)) or (
+                isinstance(context, (list, tuple)) and context and isinstance(context[0], str)):
+            raise ParameterTypeError(f"{call} takes one context: a str, or its token ids (a list of ints); got "
+                                     + ("a list of str (compress each on its own)"
+                                        if isinstance(context, (list, tuple)) else type(context).__name__))
         if isinstance(context, str):
             check_context_text([context])
             ids = split_prompt(tokenizer, context, PLACEHOLDER, chat_template)[0]

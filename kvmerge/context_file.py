@@ -60,9 +60,14 @@ def write(path, tensors: dict, meta: dict) -> Path:
                                                      f"no folder {str(path.parent)!r}"))
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     text = json.dumps(meta)
-    with written(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": str(VERSION), "meta": text,
-                                               "digest": digest(text, tensors)})
+    from safetensors import SafetensorError
+
+    try:
+        with written(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": str(VERSION), "meta": text,
+                                                   "digest": digest(text, tensors)})
+    except (OSError, SafetensorError) as e:
+        raise InputError(f"cannot save to {path}: {one_line(e)}") from None
     return path
 
 

@@ -190,8 +190,15 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
         return out
     with refusing():
         single = isinstance(context, str)
-        if isinstance(context, torch.Tensor) or (not single and context and not isinstance(context[0], str)):
+        if isinstance(context, torch.Tensor) or (isinstance(context, (list, tuple)) and context
+                                                 and not isinstance(context[0], str)):
             raise ParameterTypeError("generate takes text (a str, or a list of str); token ids go to generate_ids")
+        if not single and not isinstance(context, (list, tuple)):
+            raise ParameterTypeError(f"generate takes the context as text (a str, or a list of str), got "
+                                     f"{type(context).__name__}")
+        if not isinstance(question, (str, list, tuple)):
+            raise ParameterTypeError(f"generate takes the question as a str (or a list of str, one per context), got "
+                                     f"{type(question).__name__}")
         contexts = [context] if single else list(context)
         questions = [question] if isinstance(question, str) else list(question)
         if len(contexts) != len(questions):

@@ -122,6 +122,8 @@ def validate(model, context_ids, question_ids, protocol, max_new_tokens, method,
         raise InputError("empty context: nothing to compress")
     vocab = model.config.get_text_config(decoder=True).vocab_size
     bad = [t for r in contexts + questions for t in r if not (isinstance(t, int) and 0 <= t < vocab)]
+    if bad and not isinstance(bad[0], int):
+        raise ParameterTypeError(f"token ids must be ints, got {type(bad[0]).__name__} {str(bad[0])[:40]!r}")
     if bad:
         raise InputError(f"token id {bad[0]!r} is outside the model's vocabulary [0, {vocab})")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -145,6 +147,12 @@ def validate(model, context_ids, question_ids, protocol, max_new_tokens, method,
                                   f"(max_position_embeddings): {fix}")
     if prefill_chunk is not None:
         check_chunk(prefill_chunk)
+    if getattr(method, "sliding", None) is not None:
+        from .sliding import sliding_layer_count
+
+        if not sliding_layer_count(model.config):
+            raise InputError(f"{method.label}: sliding={method.sliding} shortens sliding-window layers, and this model "
+                             "has none: leave sliding out")
     if protocol == "aware":
         window = max([method.window] + [len(q) for q in questions])
         contexts, questions = [c + q for c, q in zip(contexts, questions)], [[] for _ in questions]

@@ -285,6 +285,16 @@ def test_saving_and_loading_refuse_a_wrong_place_and_order_and_files_read_as_any
         ctx.save(tmp_path / "nodir" / "c.kvz")
     with pytest.raises(KVMergeError, match="cannot save to .*: it is a folder"):
         ctx.save(tmp_path)
+    import safetensors.torch
+
+    def full(tensors, filename, metadata=None):  # a disk that fills up mid-write (root writes anywhere)
+        raise OSError(28, "No space left on device")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(safetensors.torch, "save_file", full)
+        with pytest.raises(KVMergeError, match=r"^cannot save to .*full.kvz: \[Errno 28\] No space left on device"):
+            ctx.save(tmp_path / "full.kvz")
+    assert not list(tmp_path.glob("*full.kvz*"))  # nothing half-written left beside it
     umask = os.umask(0o022)
     try:
         path = ctx.save(tmp_path / "c.kvz")

@@ -203,6 +203,28 @@ def test_text_apis_refuse_token_ids_and_ids_apis_refuse_text(llama):
         kvmerge.answer_questions(llama, object(), "context", ["q"], "nosuch")
 
 
+def test_inputs_of_the_wrong_type_are_named_not_met_deep_inside(llama):
+    """None, a number, a list of texts where one context goes, floats for token ids, one context where a
+    list goes: each refused naming the parameter and what it takes."""
+    tok = TinyTokenizer()
+    for call, match in [(lambda: kvmerge.generate(llama, tok, None, "q"), "takes the context as text .*got NoneType"),
+                        (lambda: kvmerge.generate(llama, tok, 123, "q"), "takes the context as text .*got int"),
+                        (lambda: kvmerge.generate(llama, tok, "ctx", None), "takes the question as a str .*NoneType"),
+                        (lambda: kvmerge.compress_context(llama, tok, None, "snapkv"), "takes one context: .*NoneType"),
+                        (lambda: kvmerge.compress_context(llama, tok, ["a", "b"], "snapkv"),
+                         "takes one context: .*a list of str"),
+                        (lambda: kvmerge.generate_ids(llama, [1.0] * 50, [3], "snapkv"),
+                         "token ids must be ints, got float '1.0'"),
+                        (lambda: kvmerge.answer_contexts(llama, tok, object(), "q"),
+                         "answer_contexts takes a list of compressed contexts .*got object")]:
+        with pytest.raises(ParameterTypeError, match=match):
+            call()
+    for spec, match in [("pyramidkv:beta=0", "beta >= 1"), ("expectedattention:n_future=-1", "n_future >= 1"),
+                        ("snapkv:sliding=0.75", "sliding=0.75 shortens sliding-window layers, and this model has none")]:
+        with pytest.raises(InputError, match=match):
+            kvmerge.generate_ids(llama, random_ids(120), [3], spec, max_new_tokens=1)
+
+
 def test_import_is_light_and_names_still_import():
     code = ("import sys, kvmerge, kvmerge.cli; assert 'torch' not in sys.modules, 'torch imported'; "
             "from kvmerge import generate, compressing, KVMergeError, Stats; import kvmerge.layer; "

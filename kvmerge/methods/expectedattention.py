@@ -29,6 +29,12 @@ class ExpectedAttention(ScoringMethod):
     name = "expectedattention"
     requires = Needs(queries=-1, rotary=True)
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.n_future < 1 or self.n_sink < 0:
+            raise ValueError(f"expectedattention needs n_future >= 1 and n_sink >= 0, got n_future={self.n_future}, "
+                             f"n_sink={self.n_sink}")
+
     def setup(self, runtime):
         self._cos_sin = runtime.rotary
 

@@ -16,6 +16,11 @@ class PyramidKV(SnapKV):
     beta: int = 20
     name = "pyramidkv"
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.beta < 1:
+            raise ValueError(f"pyramidkv needs beta >= 1 (the last layer keeps budget / beta), got {self.beta}")
+
     @property
     def requires(self) -> Needs:
         return super().requires | Needs(layer_counts=True)
