@@ -264,9 +264,12 @@ def test_global_allocation_greedy_generation_runs_and_refuses_what_it_cannot_do(
                                                                                             window=8),
                                    max_new_tokens=2, prefill_chunk=128)  # runs chunked: test_global_..._chunked_...
     assert len(chunked.tokens[0]) == 2
-    with pytest.raises(ValueError, match="rows without padding"):
+    with pytest.raises(ValueError, match="needs rows of one length, and these have 2"):  # before any forward
         kvmerge.generate_ids(model, [random_ids(160, seed=1), random_ids(120, seed=2)], [[3], [4]],
                              kvmerge.get_method("snapkv", alloc="head", window=8), max_new_tokens=2)
+    session = kvmerge.Session(model, 2, kvmerge.get_method("snapkv", alloc="head", window=8))
+    with pytest.raises(ValueError, match="rows without padding"), torch.no_grad():  # the planner's own guard
+        session.prefill([random_ids(160, seed=1), random_ids(120, seed=2)])
     with pytest.raises(ValueError, match="set recent=0 and exact=0"):  # a fixed per-head share bypasses alloc
         kvmerge.get_method("evictmerge:alloc=head", 0.25)
     for spec in ("mergingpress:alloc=head", "pyramidkv:alloc=layer"):  # merging otherwise, or budgets of its own
