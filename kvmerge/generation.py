@@ -209,14 +209,16 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
         check_tokenizer(tokenizer, call)
         check_questions(questions)
         check_context_text(contexts)
-        if isinstance(method, str) or budget is not None:
-            method = resolve(model, method, budget)[0]
+        if method == "default":
+            method = None
+        if method is not None and (isinstance(method, str) or budget is not None):
+            method, budget = resolve(model, method, budget)[0], None  # the default resolves with the rows' lengths
         sampling, stop = Sampling(temperature, top_k, top_p, seed), stop_strings(stop)
         pairs = [split_prompt(tokenizer, c, q, chat_template) for c, q in zip(contexts, questions)]
     stopped = stopper(tokenizer, stop)
     out = generate_ids(model, [p[0] for p in pairs], [p[1] for p in pairs], method, max_new_tokens, protocol,
                        eos_token_id=end_ids(tokenizer, chat_template), tokenizer=tokenizer, sampling=sampling,
-                       streamer=streamer, stop=stopped, prefill_chunk=prefill_chunk, progress=progress)
+                       streamer=streamer, stop=stopped, prefill_chunk=prefill_chunk, progress=progress, budget=budget)
     texts = [cut_at_stop(tokenizer.decode(t, skip_special_tokens=True), stop).strip() for t in out.tokens]
     out.text = texts[0] if single else texts
     if single:
