@@ -36,7 +36,8 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
     (`kvmerge.defaults.default_method`: learnedzip where it has learned-scorer weights, else mixedmerge,
     which needs `tokenizer`); `get_method("full")` keeps the whole cache. `budget`: what the cache
     keeps, a fraction in (0, 1] or a whole number of entries, with a method name or None (a `Method`
-    carries its own). Every check runs before the first forward pass."""
+    carries its own). Every check runs before the first forward pass. With a `tokenizer` that decodes,
+    `.text` holds each row's text (a str for one row given flat)."""
     with refusing():
         check_model(model, "generate_ids(model, context_ids, question_ids, ...)")
         method, default = resolve(model, method, budget)
@@ -62,9 +63,15 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
         stats = cache_stats(session, contexts, protocol)
         if protocol == "agnostic":
             logits = session.forward(questions, decoding=False)
-        return decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop, report)
+        out = decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop, report)
     finally:
         getattr(report, "close", lambda: None)()
+    if hasattr(tokenizer, "decode"):  # the text of each row (a str for one row given flat)
+        texts = [tokenizer.decode(t, skip_special_tokens=True).strip() for t in out.tokens]
+        flat = not (isinstance(context_ids, torch.Tensor) and context_ids.dim() == 2) and not (
+            isinstance(context_ids, (list, tuple)) and context_ids and isinstance(context_ids[0], (list, tuple)))
+        out.text = texts[0] if flat else texts
+    return out
 
 
 def answer_questions(model, tokenizer, context, questions, method: Method | str | None = None,

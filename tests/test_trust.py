@@ -343,3 +343,16 @@ def test_a_model_type_kvmerge_cannot_run_is_refused_before_its_weights_load(tmp_
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ValueError, match="unsupported model type 'gpt2': kvmerge needs a decoder-only RoPE model"):
         kvmerge.load_model(tmp_path)
+
+
+def test_generate_ids_decodes_its_rows_when_given_a_tokenizer_that_decodes(llama):
+    class Decoding(TinyTokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    one = kvmerge.generate_ids(llama, random_ids(200), [3], "snapkv", max_new_tokens=2, tokenizer=Decoding())
+    assert one.text == " ".join(map(str, one.tokens[0]))
+    rows = kvmerge.generate_ids(llama, [random_ids(200)] * 2, [[3], [4]], "snapkv", max_new_tokens=2,
+                                tokenizer=Decoding())
+    assert rows.text == [" ".join(map(str, t)) for t in rows.tokens]
+    assert kvmerge.generate_ids(llama, random_ids(200), [3], "snapkv", max_new_tokens=2).text == ""  # no tokenizer
