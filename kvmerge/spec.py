@@ -24,7 +24,8 @@ a parameter set twice."""
             parts.append(spec[start:i])
             start = i + 1
     name, *rest = parts + [spec[start:]]
-    if not name.strip():
+    name = name.strip()
+    if not name:
         raise InputError(f"method spec {spec!r} names no method: give one, e.g. snapkv or snapkv:window=8 "
                          "(kvmerge methods lists them)")
     if "," in name:
@@ -33,6 +34,7 @@ a parameter set twice."""
     params = {}
     for p in rest:
         key, sep, value = p.partition("=")
+        key, value = key.strip(), value.strip()
         if not sep:
             raise InputError(f"method spec {spec!r}: expected param=value, got {p!r}")
         if key in params:

@@ -356,3 +356,10 @@ def test_generate_ids_decodes_its_rows_when_given_a_tokenizer_that_decodes(llama
                                 tokenizer=Decoding())
     assert rows.text == [" ".join(map(str, t)) for t in rows.tokens]
     assert kvmerge.generate_ids(llama, random_ids(200), [3], "snapkv", max_new_tokens=2).text == ""  # no tokenizer
+
+
+def test_spaces_around_a_specs_parts_are_read_past_and_an_entry_budget_of_one_is_told_about_the_fraction():
+    assert kvmerge.get_method(" snapkv : window = 8 ").window == 8
+    assert kvmerge.get_method("snapkv: window=8:sinks =2").sinks == 2
+    with pytest.raises(InputError, match=r"budget of 1 entries is below .*: budget=1.0 keeps every entry"):
+        kvmerge.get_method("snapkv", budget=1)

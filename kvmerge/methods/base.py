@@ -154,7 +154,8 @@ class Method:
                              f"got {self.budget}")
         elif self.budget < self.sinks + self.window:
             raise ValueError(f"budget of {self.budget} entries is below the protected sinks + window "
-                             f"({self.sinks} + {self.window})")
+                             f"({self.sinks} + {self.window})" + (": budget=1.0 keeps every entry" if self.budget == 1
+                                                                   else ""))
 
     @property
     def label(self) -> str:
