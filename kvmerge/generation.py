@@ -77,30 +77,39 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
 def answer_questions(model, tokenizer, context, questions, method: Method | str | None = None,
                      max_new_tokens: int = 32, chat_template: bool = True, eos_token_id=None,
                      progress=None, budget: float | int | None = None,
-                     prefill_chunk: int | None = None) -> list[GenerationOutput]:
+                     prefill_chunk: int | None = None, temperature: float = 0.0, top_k: int = 0,
+                     top_p: float = 1.0, seed: int | None = None,
+                     stop: list[str] | None = None) -> list[GenerationOutput]:
     """Several questions (a list of str) about one `context` (a str), question-agnostic: the context
     is prefilled and compressed once, and each question decodes from that same compressed cache,
     as `generate` would answer it alone (chat template applied; each answer stops at the end of its
     turn). One `GenerationOutput` per question, `.text` set. `method`: a `Method`, a name or a spec;
     None: the default for this model (`kvmerge.defaults.default_method`); "full" keeps the whole cache;
-    `budget` and `prefill_chunk` as in `generate_ids`.
+    `budget` and `prefill_chunk` as in `generate_ids`; `temperature`, `top_k`, `top_p`, `seed` and `stop`
+    as in `generate`, for each question alike (a seed draws each answer as `generate` would alone).
 
     Token ids in the tokenizer's place, `answer_questions(model, context_ids, question_ids, method)`,
     run `answer_questions_ids`."""
+    with refusing():
+        sampling, stop = Sampling(temperature, top_k, top_p, seed), stop_strings(stop)
     if is_ids(tokenizer):  # answer_questions(model, context_ids, question_ids, method, ...)
         if method is not None:
             raise ParameterTypeError("answer_questions(model, context_ids, question_ids, method, ...) takes no fifth "
                                      "positional argument: pass max_new_tokens=... by name")
+        if stop:
+            raise InputError("stop strings need the tokenizer to read the text: answer_questions(model, tokenizer, "
+                             "context, questions, ...)")
         return answer_questions_ids(model, tokenizer, context, questions, max_new_tokens, eos_token_id,
-                                    progress=progress, budget=budget, prefill_chunk=prefill_chunk)
+                                    progress=progress, budget=budget, prefill_chunk=prefill_chunk, sampling=sampling)
     if isinstance(context, CompressedContext):
         with refusing():
             _compressed_already(context, model, tokenizer, method, budget, prefill_chunk, chat_template=chat_template)
         ends = end_ids(tokenizer, chat_template) if eos_token_id is None else eos_token_id
         outs = []
         for q in [questions] if isinstance(questions, str) else questions:
-            out = from_context(context, context.question_ids(q), max_new_tokens, ends, progress=progress)
-            out.text = tokenizer.decode(out.tokens[0], skip_special_tokens=True).strip()
+            out = from_context(context, context.question_ids(q), max_new_tokens, ends, sampling,
+                               stop=stopper(tokenizer, stop), progress=progress)
+            out.text = cut_at_stop(tokenizer.decode(out.tokens[0], skip_special_tokens=True), stop).strip()
             outs.append(out)
         return outs
     with refusing():
@@ -124,9 +133,9 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
         question_rows = [(c + q)[len(shared):] for c, q in pairs]
     ends = end_ids(tokenizer, chat_template) if eos_token_id is None else eos_token_id
     outs = answer_questions_ids(model, shared, question_rows, method, max_new_tokens, ends, tokenizer, progress,
-                                prefill_chunk=prefill_chunk)
+                                prefill_chunk=prefill_chunk, sampling=sampling, stop=stopper(tokenizer, stop))
     for out in outs:
-        out.text = tokenizer.decode(out.tokens[0], skip_special_tokens=True).strip()
+        out.text = cut_at_stop(tokenizer.decode(out.tokens[0], skip_special_tokens=True), stop).strip()
     return outs
 
 
@@ -134,10 +143,11 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
 def answer_questions_ids(model, context_ids: list[int], questions: list[list[int]], method: Method | str | None = None,
                          max_new_tokens: int = 32, eos_token_id=None, tokenizer=None,
                          progress=None, budget: float | int | None = None,
-                         prefill_chunk: int | None = None) -> list[GenerationOutput]:
+                         prefill_chunk: int | None = None, sampling: Sampling | None = None,
+                         stop=None) -> list[GenerationOutput]:
     """`answer_questions` from token ids: one context row, one row of ids per question; `.text` is
-    decoded when `tokenizer` is given. `method` None: the default for this model; it, `budget` and
-    `prefill_chunk` as in `generate_ids`."""
+    decoded when `tokenizer` is given. `method` None: the default for this model; it, `budget`,
+    `prefill_chunk`, `sampling` and `stop` as in `generate_ids` (for each question alike)."""
     with refusing():
         check_model(model, "answer_questions_ids(model, context_ids, question_ids, ...)")
         method, default = resolve(model, method, budget)
@@ -160,7 +170,7 @@ def answer_questions_ids(model, context_ids: list[int], questions: list[list[int
         for q in questions:
             session.restore(snapshot)
             logits = session.forward([list(q)], decoding=False)
-            out = decode(session, logits, dict(stats), max_new_tokens, eos_token_id, progress=report)
+            out = decode(session, logits, dict(stats), max_new_tokens, eos_token_id, sampling, stop=stop, progress=report)
             if tokenizer is not None and hasattr(tokenizer, "decode"):
                 out.text = tokenizer.decode(out.tokens[0], skip_special_tokens=True).strip()
             outs.append(out)

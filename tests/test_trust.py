@@ -363,3 +363,19 @@ def test_spaces_around_a_specs_parts_are_read_past_and_an_entry_budget_of_one_is
     assert kvmerge.get_method("snapkv: window=8:sinks =2").sinks == 2
     with pytest.raises(InputError, match=r"budget of 1 entries is below .*: budget=1.0 keeps every entry"):
         kvmerge.get_method("snapkv", budget=1)
+
+
+def test_answer_questions_samples_each_answer_as_generate_would_alone(llama):
+    from kvmerge.decoding import Sampling
+
+    ctx, questions = random_ids(200, seed=4), [[3, 4], [5]]
+    drawn = kvmerge.answer_questions(llama, ctx, questions, None, max_new_tokens=6, temperature=1.5, seed=3)
+    again = kvmerge.answer_questions(llama, ctx, questions, None, max_new_tokens=6, temperature=1.5, seed=3)
+    alone = [kvmerge.generate_ids(llama, ctx, q, max_new_tokens=6, sampling=Sampling(1.5, seed=3)) for q in questions]
+    assert [o.tokens for o in drawn] == [o.tokens for o in again] == [o.tokens for o in alone]
+    greedy = kvmerge.answer_questions(llama, ctx, questions, None, max_new_tokens=6)
+    assert [o.tokens for o in greedy] != [o.tokens for o in drawn]
+    with pytest.raises(InputError, match="stop strings need the tokenizer"):
+        kvmerge.answer_questions(llama, ctx, questions, None, stop=["x"])
+    with pytest.raises(InputError, match="temperature"):
+        kvmerge.answer_questions(llama, ctx, questions, None, temperature=-1)
