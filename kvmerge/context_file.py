@@ -52,6 +52,7 @@ def ids_hash(ids) -> str:
 
 def write(path, tensors: dict, meta: dict) -> Path:
     """Write `tensors` and `meta` to `path` whole (a temporary name, then renamed)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -60,8 +61,6 @@ def write(path, tensors: dict, meta: dict) -> Path:
                                                      f"no folder {str(path.parent)!r}"))
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     text = json.dumps(meta)
-    from safetensors import SafetensorError
-
     try:
         with written(path) as tmp:
             save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": str(VERSION), "meta": text,

@@ -17,7 +17,7 @@ from .errors import InputError, ParameterTypeError, refusing
 from .methods import Method
 from .progress import bars_for, watching
 from .prompt import (check_context_text, check_model, check_questions, check_tokenizer, common_prefix, end_ids, is_ids,
-                     split_prompt, validate)
+                     one_row, split_prompt, validate)
 from .session import Session
 
 
@@ -44,9 +44,9 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
         contexts, questions, window = validate(model, context_ids, question_ids, protocol, max_new_tokens, method,
                                                 prefill_chunk)
         lengths = {len(c) + (len(q) if protocol == "aware" else 0) for c, q in zip(contexts, questions)}
-        if len(lengths) > 1 and _one_length(method):
+        if len(lengths) > 1 and (why := _one_length(method)):
             if not default:
-                raise InputError(f"{method.label}: {_one_length(method)}, so it needs rows of one length, and these "
+                raise InputError(f"{method.label}: {why}, so it needs rows of one length, and these "
                                  f"have {len(lengths)} ({min(lengths):,}–{max(lengths):,} tokens): give it "
                                  "alloc=uniform (one count for every layer and head) or run the rows one at a time")
             method = resolve(model, None, method.budget, ragged=True)[0]
@@ -68,9 +68,7 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
         getattr(report, "close", lambda: None)()
     if hasattr(tokenizer, "decode"):  # the text of each row (a str for one row given flat)
         texts = [tokenizer.decode(t, skip_special_tokens=True).strip() for t in out.tokens]
-        flat = not (isinstance(context_ids, torch.Tensor) and context_ids.dim() == 2) and not (
-            isinstance(context_ids, (list, tuple)) and context_ids and isinstance(context_ids[0], (list, tuple)))
-        out.text = texts[0] if flat else texts
+        out.text = texts[0] if one_row(context_ids) else texts
     return out
 
 

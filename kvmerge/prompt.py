@@ -82,15 +82,22 @@ def check_context_text(contexts: list) -> None:
                              "kvmerge.load_context(path, model, tokenizer) reads it, then pass what it returns")
 
 
-def as_rows(x, what: str) -> list[list[int]]:
+def one_row(x) -> bool:
+    """Whether token ids `x` are one row given flat (a list of ids, a 1-D tensor), not a list of rows."""
     if isinstance(x, torch.Tensor):
-        x = x.tolist() if x.dim() == 2 else [x.tolist()]
-    if isinstance(x, str) or not isinstance(x, (list, tuple)):
+        return x.dim() != 2
+    return not (x and isinstance(x[0], (list, tuple)))
+
+
+def as_rows(x, what: str) -> list[list[int]]:
+    if isinstance(x, str) or not isinstance(x, (list, tuple, torch.Tensor)):
         raise ParameterTypeError(f"{what} must be a list of token ids or a list of such lists, got "
                                  f"{type(x).__name__} (text goes to kvmerge.generate / answer_questions)")
+    if isinstance(x, torch.Tensor):
+        x = x.tolist() if x.dim() == 2 else [x.tolist()]
     if not x:
         return [[]]
-    return [list(r) for r in x] if isinstance(x[0], (list, tuple)) else [list(x)]
+    return [list(x)] if one_row(x) else [list(r) for r in x]
 
 
 def is_ids(x) -> bool:
