@@ -245,7 +245,6 @@ def generate(args) -> int:
     bars = None if args.no_progress else ProgressBars(decode=not sys.stdout.isatty())
     out = run(model, tok, text, args.question, m, args.max_new_tokens, **sampling(args),
               streamer=Streamer(tok, args.stop), prefill_chunk=args.prefill_chunk, progress=bars)
-    out.stats["method"] = spec  # as the user named it, settings included
     print(f"[{out.stats}]", file=sys.stderr)
     return 0
 

@@ -98,8 +98,7 @@ def cache_stats(session, contexts, protocol) -> dict:
     `cache_bytes` is the whole cache, `full_cache_bytes` what transformers' own cache would hold."""
     config, dtype, cache = session.model.config, cache_dtype(session), session.cache
     width, rows, picked = max(len(c) for c in contexts), len(contexts), cache.compressible
-    name = session.method.label  # a preset by its own name
-    return {"method": name, "budget": session.method.budget, "protocol": protocol,
+    return {"method": session.method.described, "budget": session.method.budget, "protocol": protocol,
             "context_tokens": [len(c) for c in contexts], **session.timings,
             "cache_entries": cache.entries, "cache_bytes": cache.nbytes,
             "full_cache_bytes": rows * stock_cache_bytes(config, dtype, width),

@@ -189,3 +189,12 @@ def test_a_compressed_context_is_refused_by_a_block_of_another_method():
     with kvmerge.compressing(model, "zipguardmerge", budget=0.25, tokenizer=tok) as kv:  # presets, by their names
         with pytest.raises(kvmerge.KVMergeError, match="compressed with mixedmerge .* not with this block's zipguardmerge"):
             kv.prefill(preset)
+
+
+def test_stats_name_the_method_as_it_was_named_settings_included():
+    """Two runs with different settings are told apart by their stats; a plain name stays plain."""
+    model, ids = tiny_model(), random_ids(120, seed=3)
+    named = kvmerge.generate_ids(model, [ids], [[5]], "snapkv: window=8", max_new_tokens=1, budget=0.5)
+    plain = kvmerge.generate_ids(model, [ids], [[5]], "snapkv", max_new_tokens=1, budget=0.5)
+    assert named.stats["method"] == "snapkv: window=8" and plain.stats["method"] == "snapkv"
+    assert kvmerge.get_method("mixedmerge", budget=0.5).described == "mixedmerge"

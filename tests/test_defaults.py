@@ -294,7 +294,7 @@ def test_rows_of_different_lengths_run_the_default_with_one_count_per_layer_and_
     model = tiny_model()
     rows, questions = [random_ids(150, seed=1), random_ids(170, seed=2)], [[3], [4]]
     out = kvmerge.generate_ids(model, rows, questions, max_new_tokens=2, tokenizer=TinyTokenizer())
-    assert out.stats["method"] == "learnedzip" and out.tokens
+    assert out.stats["method"] == "learnedzip:alloc=uniform" and out.tokens
     alone = kvmerge.generate_ids(model, rows[:1], questions[:1], "learnedzip:alloc=uniform", max_new_tokens=2)
     assert out.tokens[0] == alone.tokens[0]  # row 0 as the uniform default runs it alone
     calls = []

@@ -166,6 +166,19 @@ def test_tau_above_one_equals_full_cache():
     assert got.tokens == full.tokens and got.stats["cache_entries"] == full.stats["cache_entries"]
 
 
+def test_a_fixed_tau_says_it_does_not_meet_the_budget(caplog):
+    """τ = 1.01 merges nothing, so a 0.5 budget is exceeded: a warning names it; none at budget 1.0."""
+    model = tiny_model()
+    ids, q = random_ids(120, seed=3), random_ids(6, seed=4)
+    with caplog.at_level("WARNING", logger="kvmerge"):
+        kvmerge.get_method("semanticache", budget=1.0, tau=1.01)
+        assert caplog.messages == []
+        m = kvmerge.get_method("semanticache", budget=0.5, tau=1.01, chunking="fixed")
+    assert len(caplog.messages) == 1 and "not enforced" in caplog.messages[0]
+    full = kvmerge.generate_ids(model, ids, q, kvmerge.get_method("full"), max_new_tokens=1)
+    assert kvmerge.generate_ids(model, ids, q, m, max_new_tokens=1).stats["cache_entries"] == full.stats["cache_entries"]
+
+
 @pytest.mark.parametrize("chunking", ["fixed", "none"])
 def test_ablation_chunkings_meet_budget(chunking):
     _, _, _, method, (k, v, ln) = _compress(0.25, chunking=chunking)

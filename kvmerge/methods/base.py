@@ -125,6 +125,7 @@ class Method:
     sliding: int | float | None = None
     stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     preset: str | None = field(default=None, init=False, repr=False, compare=False)  # the preset it was built as
+    spec: str | None = field(default=None, init=False, repr=False, compare=False)  # the spec `get_method` read
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""  # one line for `kvmerge methods` (default: the docstring's first sentence)
@@ -161,6 +162,12 @@ class Method:
     def label(self) -> str:
         """The name a user knows this method by: its preset's (`mixedmerge`), else its own (`evictmerge`)."""
         return self.preset or self.name
+
+    @property
+    def described(self) -> str:
+        """The method as the user named it, settings included (`snapkv:window=8`): the spec `get_method`
+        read, else the label. What `stats["method"]` reports; the budget is reported beside it."""
+        return self.spec or self.label
 
     # -- what it needs and what it is made of ------------------------------------------------------
     def parts(self) -> list[Method]:

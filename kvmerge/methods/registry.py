@@ -91,6 +91,7 @@ def get_method(name: str, budget: float | int | None = None, **params) -> Method
     with refusing():
         method = _build(name, budget, params)
     check_params(method)
+    method.spec = name.strip() if ":" in name else None  # as named, settings included
     return method
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,8 @@ class SemantiCache(Method):
     seed), merge each cluster into its mass-weighted mean with log-mass log|S|; delimiters stay.
 
     τ is found per layer and KV head by bisection (least merging within the budget) unless `tau` is
-    given. Below the floor (anchors + one core per chunk) chunks grow hierarchically: weak delimiters
+    given: a fixed τ alone decides what merges (the paper's fixed-τ ablation) and the budget is not
+    enforced (a warning says so; `cache_entries` in the stats is what was kept). Below the floor (anchors + one core per chunk) chunks grow hierarchically: weak delimiters
     `,;:` are merged into chunks, then sentences, then chunks double; `stats["fallback_layers"]` counts it.
     Ablations: `chunking="fixed"` (64-token chunks), `"none"` (one global cluster pass),
     `proportional=False` (no log-mass bias), `shared_heads=True` (one clustering for all KV heads).
@@ -42,6 +44,10 @@ class SemantiCache(Method):
             raise ValueError(f"chunking must be one of {CHUNKINGS}, got {self.chunking!r}")
         if self.chunk_cap < 1:
             raise ValueError(f"chunk_cap must be >= 1, got {self.chunk_cap}")
+        if self.tau is not None and self.budget != 1.0:
+            logging.getLogger("kvmerge").warning(
+                f"kvmerge: semanticache with tau={self.tau} merges by that threshold alone; the budget "
+                f"{self.budget} is not enforced (leave tau out to meet it)")
         self._table = None
 
     @property
