@@ -63,8 +63,8 @@ def test_plugin_off_leaves_the_config_stock_and_on_installs_its_worker_and_sched
     ({"method": "snapkv:alloc=head", "budget": 0.25}, "alloc='head'"),
     ({"method": "zipguardmerge", "budget": 0.25}, r"zipguardmerge runs another forward pass(?!.*alloc=uniform runs)"),
     ({"method": "kvzip", "budget": 0.25}, r"^(?!.*kvzip:alloc=uniform runs there)"),  # it would not: a second pass
-    ({"method": "snapkv:budget=0.1", "budget": 0.5}, r"the budget is given twice: budget=0.1 in the method spec and "
-                                                     r'"budget": 0.5; give it once'),
+    ({"method": "snapkv:budget=0.1", "budget": 0.5}, r'snapkv:budget=0.1 sets budget=0.1 and "budget": 0.5: '
+                                                     r"give the budget once"),
 ])
 def test_bad_settings_fail_at_startup_naming_the_problem(settings, message):
     with pytest.raises(ValueError, match=message):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..methods import Method, get_method
 from ..methods.registry import load_plugins
-from ..spec import parse_spec
+from ..spec import check_budget_once
 from ..allocation import is_global
 from .runtime import VllmRuntime
 
@@ -46,10 +46,7 @@ class Settings:
         """A fresh method object (raises on an unknown method, parameter, a budget out of range, or a
         budget given both in the spec and as `budget` that disagree)."""
         load_plugins(list(self.imports))
-        method = get_method(self.method)
-        if self.budget is not None and "budget" in parse_spec(self.method)[1] and method.budget != self.budget:
-            raise ValueError(f"the budget is given twice: budget={method.budget} in the method spec and "
-                             f'"budget": {self.budget}; give it once')
+        check_budget_once(self.method, self.budget, '"budget":')
         return get_method(self.method, self.budget)
 
 
