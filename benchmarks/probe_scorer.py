@@ -16,7 +16,10 @@ KV head; extras cost O(P·n·d) per head, P probes):
 * `stride`: `--probes` of the context's own queries at evenly spaced positions, rotated, attending
   causally: the log of the most attention each key gets from them (echo on a sample of queries);
 * `ngram`: per token, how often its token and its n-grams occur in the context (`ngrams`);
-* `all`: the four together; `a+b`: any two.
+* `all`: the four together; `a+b`: any two;
+* `SET@next`, `SET@prev`, `SET@last`: SET plus the same token's features in the next compressed layer,
+  the one before, or the last (the deeper layers' read of the token: free where compression waits for
+  the forward's end).
 
 `--target` is what is fitted: `log`, KVzip's log scores; `clip:Q`, each head's log scores in each
 piece floored at their Q-quantile (the fit spends nothing on the order below the cut's region);
@@ -139,12 +142,24 @@ def rows(path, name, shape, probes, rotary):
     blob = torch.load(path)
     n = len(blob["ids"])
     cos, sin = (t.float() for t in rotary(torch.arange(n)))
+    layers, own = blob["rows"], name.split("@")[0]
     out = []
-    for x, y in blob["rows"]:
+    for i, (x, y) in enumerate(layers):
         q, k = split(x, hq, h, d)
-        e = extras(name, q, k, probes, cos, sin, blob["ids"])
-        out.append((torch.cat([x.float(), e, torch.ones(n, 1)], -1), y.float()))
+        e = extras(own, q, k, probes, cos, sin, blob["ids"])
+        other = [layers[j][0].float() for j in other_layers(name, i, len(layers))]
+        out.append((torch.cat([x.float(), e, *other, torch.ones(n, 1)], -1), y.float()))
     return out
+
+
+def other_layers(name: str, i: int, count: int) -> list[int]:
+    """`set@next`, `set@prev`, `set@last`: the features of that other compressed layer's token too (the
+    next layer's, the one before's, the last's; itself where there is none other)."""
+    where = name.partition("@")[2]
+    if not where:
+        return []
+    j = {"next": min(i + 1, count - 1), "prev": max(i - 1, 0), "last": count - 1}[where]
+    return [j] if j != i else []
 
 
 def predict(x, w):
@@ -225,7 +240,7 @@ def main():
             o25.append(overlap(p, t, 0.25))
             og.append(overlap(p.reshape(1, -1), t.reshape(1, -1), 0.10))
             oc.append(overlap(mapped(p, *qs).reshape(1, -1), t.reshape(1, -1), 0.10))
-        extra = width - 1 - c.num_attention_heads * d - 2 * shape[1] * d
+        extra = width - 1 - c.num_attention_heads * d - 2 * shape[1] * d  # varies by layer with @: the first's
         mean = lambda v: sum(v) / len(v)  # noqa: E731
         print(f"| {name} | {how} | {extra} | {mean(o10):.3f} | {mean(o25):.3f} | {mean(og):.3f} | {mean(oc):.3f} | "
               f"{time.perf_counter() - start:.0f} |", flush=True)
