@@ -19,7 +19,7 @@ KV head; extras cost O(P·n·d) per head, P probes):
 * `all`: the four together; `a+b`: any two;
 * `SET@next`, `SET@prev`, `SET@last`: SET plus the same token's features in the next compressed layer,
   the one before, or the last (the deeper layers' read of the token: free where compression waits for
-  the forward's end).
+  the forward's end); `SET@left`, `SET@right`: SET plus the features of the token before or after.
 
 `--target` is what is fitted: `log`, KVzip's log scores; `clip:Q`, each head's log scores in each
 piece floored at their Q-quantile (the fit spends nothing on the order below the cut's region);
@@ -148,6 +148,9 @@ def rows(path, name, shape, probes, rotary):
         q, k = split(x, hq, h, d)
         e = extras(own, q, k, probes, cos, sin, blob["ids"])
         other = [layers[j][0].float() for j in other_layers(name, i, len(layers))]
+        shift = {"left": 1, "right": -1}.get(name.partition("@")[2])
+        if shift:  # the neighbour's own features: the token before (left) or after (right), zeros past the ends
+            other = [torch.roll(x.float(), shift, 0).index_fill_(0, torch.tensor([0 if shift > 0 else n - 1]), 0)]
         out.append((torch.cat([x.float(), e, *other, torch.ones(n, 1)], -1), y.float()))
     return out
 
@@ -157,6 +160,8 @@ def other_layers(name: str, i: int, count: int) -> list[int]:
     next layer's, the one before's, the last's; itself where there is none other)."""
     where = name.partition("@")[2]
     if not where:
+        return []
+    if where in ("left", "right"):
         return []
     j = {"next": min(i + 1, count - 1), "prev": max(i - 1, 0), "last": count - 1}[where]
     return [j] if j != i else []

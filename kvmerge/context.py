@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from .progress import bars_for
 from .prompt import (check_context_text, check_model, check_questions, check_tokenizer, end_ids, split_prompt,
                      validate)
 from .session import Session
+from .spec import spec_of
 from .sliding import SlidingLayer
 
 PLACEHOLDER = "x"  # the context text a question's ids are cut after (they do not depend on it)
@@ -368,26 +369,3 @@ def load_context(path, model, tokenizer) -> CompressedContext:
 def _name(path) -> str:
     """A model's name from its `name_or_path` (a converted cache folder's last part), or 'unnamed'."""
     return Path(str(path)).name if path else "unnamed"
-
-
-def spec_of(method) -> str:
-    """A spec that rebuilds `method`: its registered name and every parameter off its class default
-    (a method-valued parameter as `{"name": ..., **params}`)."""
-    return ":".join([method.name, *(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in _params(method).items())])
-
-
-def _params(method) -> dict:
-    from .methods import Method
-
-    out = {}
-    for f in fields(method):
-        if not f.init or f.name == "budget":
-            continue
-        value = getattr(method, f.name)
-        default = f.default if f.default is not MISSING else (
-            f.default_factory() if f.default_factory is not MISSING else MISSING)
-        if isinstance(value, Method):
-            value = {"name": value.name, **_params(value)}
-        if value != default:
-            out[f.name] = value
-    return out

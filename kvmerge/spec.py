@@ -4,6 +4,7 @@ command line reads them before torch loads)."""
 from __future__ import annotations
 
 import json
+from dataclasses import MISSING, fields
 
 from .errors import InputError
 
@@ -55,3 +56,26 @@ def check_budget_once(spec: str, budget, option: str = "--budget") -> None:
     given = params.get("budget")
     if given is not None and given != budget and name != "full":
         raise InputError(f"{spec} sets budget={given} and {option} {budget}: give the budget once")
+
+
+def spec_of(method) -> str:
+    """A spec that rebuilds `method`: its registered name and every parameter off its class default
+    (a method-valued parameter as `{"name": ..., **params}`)."""
+    return ":".join([method.name, *(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in _params(method).items())])
+
+
+def _params(method) -> dict:
+    from .methods import Method
+
+    out = {}
+    for f in fields(method):
+        if not f.init or f.name == "budget":
+            continue
+        value = getattr(method, f.name)
+        default = f.default if f.default is not MISSING else (
+            f.default_factory() if f.default_factory is not MISSING else MISSING)
+        if isinstance(value, Method):
+            value = {"name": value.name, **_params(value)}
+        if value != default:
+            out[f.name] = value
+    return out

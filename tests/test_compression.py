@@ -9,6 +9,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 import kvmerge
+from kvmerge.methods.snapkv import SnapKV
 
 from .conftest import TinyTokenizer, random_ids, tiny_model
 
@@ -192,9 +193,12 @@ def test_a_compressed_context_is_refused_by_a_block_of_another_method():
 
 
 def test_stats_name_the_method_as_it_was_named_settings_included():
-    """Two runs with different settings are told apart by their stats; a plain name stays plain."""
+    """Two runs with different settings are told apart by their stats, each under the method's own name;
+    a plain name stays plain."""
     model, ids = tiny_model(), random_ids(120, seed=3)
-    named = kvmerge.generate_ids(model, [ids], [[5]], "snapkv: window=8", max_new_tokens=1, budget=0.5)
+    named = kvmerge.generate_ids(model, [ids], [[5]], "SnapKV: window=8", max_new_tokens=1, budget=0.5)
     plain = kvmerge.generate_ids(model, [ids], [[5]], "snapkv", max_new_tokens=1, budget=0.5)
-    assert named.stats["method"] == "snapkv: window=8" and plain.stats["method"] == "snapkv"
-    assert kvmerge.get_method("mixedmerge", budget=0.5).described == "mixedmerge"
+    assert named.stats["method"] == "snapkv:window=8" and plain.stats["method"] == "snapkv"
+    assert kvmerge.get_method("expectmerge:recent=0.4", budget=0.5).described == "mixedmerge:recent=0.4"  # an older name
+    by_hand = kvmerge.generate_ids(model, [ids], [[5]], SnapKV(budget=0.5, window=8), max_new_tokens=1)
+    assert by_hand.stats["method"] == "snapkv:window=8" and by_hand.tokens == named.tokens

@@ -165,9 +165,14 @@ class Method:
 
     @property
     def described(self) -> str:
-        """The method as the user named it, settings included (`snapkv:window=8`): the spec `get_method`
-        read, else the label. What `stats["method"]` reports; the budget is reported beside it."""
-        return self.spec or self.label
+        """The method with the settings it was given, under its label: `snapkv:window=8` from
+        `get_method("SnapKV:window=8")`, a preset by its name, a method object built by hand by its
+        settings off their defaults (`spec_of`). What `stats["method"]` reports, the budget beside it."""
+        if self.spec or self.preset:
+            return self.spec or self.label
+        from ..spec import spec_of
+
+        return spec_of(self)
 
     # -- what it needs and what it is made of ------------------------------------------------------
     def parts(self) -> list[Method]:

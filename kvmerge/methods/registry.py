@@ -91,7 +91,8 @@ def get_method(name: str, budget: float | int | None = None, **params) -> Method
     with refusing():
         method = _build(name, budget, params)
     check_params(method)
-    method.spec = name.strip() if ":" in name else None  # as named, settings included
+    settings = name.partition(":")[2].strip()
+    method.spec = f"{method.label}:{settings}" if settings else None  # its settings as given, under its own name
     return method
 
 
