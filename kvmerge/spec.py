@@ -4,7 +4,7 @@ command line reads them before torch loads)."""
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, is_dataclass
 
 from .errors import InputError
 
@@ -58,15 +58,29 @@ def check_budget_once(spec: str, budget, option: str = "--budget") -> None:
         raise InputError(f"{spec} sets budget={given} and {option} {budget}: give the budget once")
 
 
+def spec_text(name: str, params: dict) -> str:
+    """`name:k=v...` that `parse_spec` reads back to (name, params): a string bare where JSON would not
+    read it as something else (`alloc=uniform`), every other value as JSON."""
+    def shown(value) -> str:
+        if is_dataclass(value) and not isinstance(value, type):  # a part given as a Method
+            value = {"name": value.name, **_params(value)}
+        if isinstance(value, str) and ":" not in value:
+            try:
+                json.loads(value)
+            except ValueError:
+                return value
+        return json.dumps(value, separators=(",", ":"))
+
+    return ":".join([name, *(f"{k}={shown(v)}" for k, v in params.items())])
+
+
 def spec_of(method) -> str:
     """A spec that rebuilds `method`: its registered name and every parameter off its class default
     (a method-valued parameter as `{"name": ..., **params}`)."""
-    return ":".join([method.name, *(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in _params(method).items())])
+    return spec_text(method.name, _params(method))
 
 
 def _params(method) -> dict:
-    from .methods import Method
-
     out = {}
     for f in fields(method):
         if not f.init or f.name == "budget":
@@ -74,7 +88,7 @@ def _params(method) -> dict:
         value = getattr(method, f.name)
         default = f.default if f.default is not MISSING else (
             f.default_factory() if f.default_factory is not MISSING else MISSING)
-        if isinstance(value, Method):
+        if is_dataclass(value) and not isinstance(value, type):  # a part: a Method
             value = {"name": value.name, **_params(value)}
         if value != default:
             out[f.name] = value

@@ -199,6 +199,7 @@ def test_stats_name_the_method_as_it_was_named_settings_included():
     named = kvmerge.generate_ids(model, [ids], [[5]], "SnapKV: window=8", max_new_tokens=1, budget=0.5)
     plain = kvmerge.generate_ids(model, [ids], [[5]], "snapkv", max_new_tokens=1, budget=0.5)
     assert named.stats["method"] == "snapkv:window=8" and plain.stats["method"] == "snapkv"
-    assert kvmerge.get_method("expectmerge:recent=0.4", budget=0.5).described == "mixedmerge:recent=0.4"  # an older name
+    assert kvmerge.get_method("mixedmerge", budget=0.5, recent=0.4).described == "mixedmerge:recent=0.4"
+    assert kvmerge.get_method("zipguardmerge", budget=0.5).described == "zipguardmerge"
     by_hand = kvmerge.generate_ids(model, [ids], [[5]], SnapKV(budget=0.5, window=8), max_new_tokens=1)
     assert by_hand.stats["method"] == "snapkv:window=8" and by_hand.tokens == named.tokens

@@ -107,9 +107,9 @@ def test_stats_read_as_one_line_and_as_a_dict(llama):
     out = kvmerge.generate_ids(llama, random_ids(200), [3, 4], kvmerge.get_method("snapkv", budget=0.25, window=8),
                                max_new_tokens=3)
     st = out.stats
-    assert isinstance(st, dict) and st["cache_bytes"] < st["full_cache_bytes"] and st.get("method") == "snapkv"
+    assert isinstance(st, dict) and st["cache_bytes"] < st["full_cache_bytes"] and st.get("method") == "snapkv:window=8"
     line = str(st)
-    assert "\n" not in line and "snapkv at budget 0.25" in line and "MiB" in line and "(25.0%)" in line
+    assert "\n" not in line and "snapkv:window=8 at budget 0.25" in line and "MiB" in line and "(25.0%)" in line
     assert "prefill" in line and "decode" in line and st.layers == st["cache_entries"] == [50, 50]
     assert set(st.seconds) == {"prefill", "compress", "decode"}
     assert all(v == round(v, 2) for v in st.seconds.values())

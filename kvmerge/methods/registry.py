@@ -13,7 +13,7 @@ from dataclasses import MISSING, fields, replace
 
 from ..errors import UnknownNameError, refusing, suggest
 from ..params import check_fields, check_params
-from ..spec import parse_spec
+from ..spec import parse_spec, spec_text
 from .base import Method
 from .presets import PRESETS, Preset
 
@@ -91,8 +91,8 @@ def get_method(name: str, budget: float | int | None = None, **params) -> Method
     with refusing():
         method = _build(name, budget, params)
     check_params(method)
-    settings = name.partition(":")[2].strip()
-    method.spec = f"{method.label}:{settings}" if settings else None  # its settings as given, under its own name
+    settings = {k: v for k, v in {**parse_spec(name)[1], **params}.items() if k != "budget"}
+    method.spec = spec_text(method.label, settings) if settings else None  # as given, under its own name
     return method
 
 
