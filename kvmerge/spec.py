@@ -62,8 +62,7 @@ def spec_text(name: str, params: dict) -> str:
     """`name:k=v...` that `parse_spec` reads back to (name, params): a string bare where JSON would not
     read it as something else (`alloc=uniform`), every other value as JSON."""
     def shown(value) -> str:
-        if is_dataclass(value) and not isinstance(value, type):  # a part given as a Method
-            value = {"name": value.name, **_params(value)}
+        value = _part(value)
         if isinstance(value, str) and ":" not in value:
             try:
                 json.loads(value)
@@ -88,8 +87,12 @@ def _params(method) -> dict:
         value = getattr(method, f.name)
         default = f.default if f.default is not MISSING else (
             f.default_factory() if f.default_factory is not MISSING else MISSING)
-        if is_dataclass(value) and not isinstance(value, type):  # a part: a Method
-            value = {"name": value.name, **_params(value)}
+        value = _part(value)
         if value != default:
             out[f.name] = value
     return out
+
+
+def _part(value):
+    """A method-valued parameter (a part, a `Method`) as `{"name": ..., **params}`; any other value as it is."""
+    return {"name": value.name, **_params(value)} if is_dataclass(value) and not isinstance(value, type) else value

@@ -13,6 +13,7 @@ import torch
 from ..ops.kv import KV
 from ..allocation import top_slots_per_head
 from ..ops.scores import top_slots
+from ..spec import spec_of
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class Method:
     sliding: int | float | None = None
     stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     preset: str | None = field(default=None, init=False, repr=False, compare=False)  # the preset it was built as
-    spec: str | None = field(default=None, init=False, repr=False, compare=False)  # the spec `get_method` read
+    spec: str | None = field(default=None, init=False, repr=False, compare=False)  # its name and the settings `get_method` was given
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""  # one line for `kvmerge methods` (default: the docstring's first sentence)
@@ -168,11 +169,7 @@ class Method:
         """The method with the settings it was given, under its label: `snapkv:window=8` from
         `get_method("SnapKV:window=8")`, a preset by its name, a method object built by hand by its
         settings off their defaults (`spec_of`). What `stats["method"]` reports, the budget beside it."""
-        if self.spec or self.preset:
-            return self.spec or self.label
-        from ..spec import spec_of
-
-        return spec_of(self)
+        return self.spec or self.preset or spec_of(self)
 
     # -- what it needs and what it is made of ------------------------------------------------------
     def parts(self) -> list[Method]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..spec import spec_text
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -28,13 +30,7 @@ class Preset:
         nested = {k.split(".", 1)[1]: v for k, v in self.params.items() if k.startswith("base.")}
         if nested:
             top["base"] = {"name": top["base"], **nested}
-        return ":".join([self.method] + [f"{k}={_show(v)}" for k, v in top.items()])
-
-
-def _show(value) -> str:
-    import json
-
-    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+        return spec_text(self.method, top)
 
 
 PRESETS = [

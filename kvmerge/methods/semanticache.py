@@ -23,8 +23,9 @@ class SemantiCache(Method):
 
     τ is found per layer and KV head by bisection (least merging within the budget) unless `tau` is
     given: a fixed τ alone decides what merges (the paper's fixed-τ ablation) and the budget is not
-    enforced (a warning says so; `cache_entries` in the stats is what was kept). Below the floor (anchors + one core per chunk) chunks grow hierarchically: weak delimiters
-    `,;:` are merged into chunks, then sentences, then chunks double; `stats["fallback_layers"]` counts it.
+    enforced (a warning says so; `cache_entries` in the stats is what was kept). Below the floor
+    (anchors + one core per chunk) chunks grow hierarchically: weak delimiters `,;:` are merged into
+    chunks, then sentences, then chunks double; `stats["fallback_layers"]` counts it.
     Ablations: `chunking="fixed"` (64-token chunks), `"none"` (one global cluster pass),
     `proportional=False` (no log-mass bias), `shared_heads=True` (one clustering for all KV heads).
     """
