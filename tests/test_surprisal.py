@@ -71,6 +71,29 @@ def test_exact_share_stays_bit_exact_while_the_rest_absorbs_and_mass_is_conserve
     assert bool((merged.compress(keys, values, torch.zeros(1, 2, 60), ctx)[2][..., 2:7] > 0).any())
 
 
+def test_absorb_none_evicts_beside_the_exact_share_and_keeps_what_a_merge_nobody_joins_keeps():
+    """`absorb="none"`: the picks are the merging form's, every kept entry comes out exactly as it went in,
+    no mass moves; equal to the merging form whose cosine floor (2) no entry reaches."""
+    keys, values, ctx = _surprising_sentence_case()
+    log_n = torch.zeros(1, 2, 60)
+    out = {}
+    for how in ({"absorb": "none"}, {"min_cosine": 2.0}, {}):
+        m = kvmerge.get_method("evictmerge", budget=17, sinks=2, window=10, base="snapkv", recent=0.0,
+                               exact=5 / 17, whole=True, **how)
+        m.setup_all(Runtime(TinyTokenizer()))
+        out[str(how)] = m.compress(keys, values, log_n, ctx)
+        if how:
+            assert m.needs.merges == ("absorb" not in how) and m.needs.surprisal
+    k, v, ln = out[str({"absorb": "none"})]
+    picked = [torch.where((keys[0, h, :, None, :] == k[0, h, None]).all(-1))[0].tolist() for h in range(2)]
+    assert all(p[:7] == [0, 1, 20, 21, 22, 23, 24] and p[-10:] == list(range(50, 60)) for p in picked)
+    assert torch.equal(v, torch.stack([values[0, h, p] for h, p in enumerate(picked)])[None])
+    assert bool((ln == 0).all())
+    floor = out[str({"min_cosine": 2.0})]
+    assert torch.equal(floor[0], k) and torch.allclose(floor[1], v, atol=1e-6) and torch.allclose(floor[2], ln)
+    assert not torch.equal(out["{}"][1], v)  # the merging form moves values: the test can tell them apart
+
+
 def test_surprisal_without_a_tokenizer_says_so():
     import pytest
 

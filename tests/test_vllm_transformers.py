@@ -1,6 +1,7 @@
 """The plugin against kvmerge's transformers runtime: snapkv and echo (eviction), evictmerge (merging: entries
 with log-mass, attended through the extra key channel) and mixedmerge (merging whose picks need each
-prompt token's surprisal and Expected Attention's rotation) at 25% inside vLLM give the same greedy tokens,
+prompt token's surprisal and Expected Attention's rotation; surprisezip: the same surprisal share beside the
+learned scorer's picks) at 25% inside vLLM give the same greedy tokens,
 with the same log-probabilities, as `kvmerge.Session` on kvmerge's NIAH prompts of ~2.1k tokens, while
 vLLM's pool is small enough that freed blocks are reused by the other requests; and the scheduler's
 own figures show the blocks released and the requests admitted.
@@ -32,9 +33,10 @@ LEARNED = "learnedzip:alloc=uniform"  # the shipped scorer's picks, one count pe
 LEARNED_MLP = "learnedzip:alloc=uniform:scorer=mlp"  # the same with the shipped MLP scorer
 # snapkv: 130 blocks of 32, room for one uncompressed 2.1k prompt (67 blocks) at a time, so each prompt's
 # blocks include blocks freed by the ones before; evictmerge: a roomy pool and all 4 prompts in one step.
-# mixedmerge: all 4 in one step too, each layer's compression deferred until the step's logits exist.
+# mixedmerge and surprisezip: all 4 in one step too, each layer's compression deferred until the step's logits exist.
 SETTINGS = {"snapkv": dict(num_gpu_blocks_override=130), "evictmerge": dict(max_num_batched_tokens=9000),
-            "mixedmerge": dict(max_num_batched_tokens=9000), "echo": dict(num_gpu_blocks_override=130),
+            "mixedmerge": dict(max_num_batched_tokens=9000), "surprisezip": dict(max_num_batched_tokens=9000),
+            "echo": dict(num_gpu_blocks_override=130),
             "lastquery": dict(num_gpu_blocks_override=130), LEARNED: dict(num_gpu_blocks_override=130),
             LEARNED_MLP: dict(num_gpu_blocks_override=130)}
 IMPORTS = {"lastquery": (str(Path(__file__).parent / "plugins" / "lastquery.py"),)}
@@ -61,7 +63,8 @@ def first_divergence(got_tokens, got_logprobs, want) -> dict:
     return out
 
 
-@pytest.mark.parametrize("method", ["snapkv", "evictmerge", "mixedmerge", "echo", "lastquery", LEARNED, LEARNED_MLP])
+@pytest.mark.parametrize("method", ["snapkv", "evictmerge", "mixedmerge", "surprisezip", "echo", "lastquery", LEARNED,
+                                    LEARNED_MLP])
 def test_method_matches_the_transformers_runtime_and_frees_blocks(monkeypatch, prompts, method):
     from vllm import envs
 
@@ -89,10 +92,11 @@ def test_method_matches_the_transformers_runtime_and_frees_blocks(monkeypatch, p
     # learnedzip's scores are a linear map of 960 features per token: vLLM's float32 projections, which differ
     # from transformers' in the last bits, can swap near-tied picks (measured: 1.0e-3 at most, same tokens;
     # a different cache, e.g. the uncompressed one, moves these log-probabilities by 0.04-0.41)
-    assert max(r["max_logprob_diff"] for r in report) < (5e-3 if method in (LEARNED, LEARNED_MLP) else 1e-3), report
+    learned = method in (LEARNED, LEARNED_MLP, "surprisezip")
+    assert max(r["max_logprob_diff"] for r in report) < (5e-3 if learned else 1e-3), report
     assert len(stats) == 4 and peak == 4, (stats, peak)  # on snapkv's pool stock vLLM runs one at a time
-    assert together == {"snapkv": 1, "evictmerge": 4, "mixedmerge": 4, "echo": 1, "lastquery": 1, LEARNED: 1,
-                        LEARNED_MLP: 1}[method]
+    assert together == {"snapkv": 1, "evictmerge": 4, "mixedmerge": 4, "surprisezip": 4, "echo": 1, "lastquery": 1,
+                        LEARNED: 1, LEARNED_MLP: 1}[method]
     for p, s in zip(prompts, [stats[k] for k in sorted(stats, key=lambda k: int(k.split("-")[0]))]):
         budget = round(0.25 * len(p["ids"]))
         selects = method in ("snapkv", "echo", "lastquery", LEARNED, LEARNED_MLP)

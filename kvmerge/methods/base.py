@@ -320,9 +320,7 @@ class ScoringMethod(Method):
         if ctx.alloc is not None:  # global allocation: the planner scored every layer first
             idx, filler = top_slots_per_head(*ctx.alloc, ctx.sinks, ctx.window)
             self.tell_selected(idx, ctx)
-            kv = KV(keys, values, log_n).take(idx)  # a filler slot is empty: zeros, log_n -inf
-            return KV(kv.keys.masked_fill(filler[..., None], 0), kv.values.masked_fill(filler[..., None], 0),
-                      kv.log_n.masked_fill(filler, float("-inf")))
+            return KV(keys, values, log_n).take(idx).emptied(filler)
         idx = top_slots(self.scores(keys, log_n, ctx), self.layer_target(ctx), ctx.sinks, ctx.window)
         self.tell_selected(idx, ctx)
         return KV(keys, values, log_n).take(idx)

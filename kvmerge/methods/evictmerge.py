@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..ops.kv import KV
 from ..ops.merge import merge_into_kept
 from ..allocation import top_slots_per_head
 from ..ops.scores import fill_protected, received_attention, saturated_heads, top_slots
@@ -64,9 +65,9 @@ class EvictMerge(ScoringMethod):
         if not 0.0 <= self.exact <= 1.0 or not 0.0 <= self.recent <= 1.0:
             raise ValueError(f"exact and recent must be fractions in [0, 1], got exact={self.exact}, "
                              f"recent={self.recent}")
-        if self.absorb not in ("kept", "picks"):
-            raise ValueError(f"absorb must be 'kept' (every kept entry but the sinks) or 'picks' (the base's "
-                             f"picks only), got {self.absorb!r}")
+        if self.absorb not in ("kept", "picks", "none"):
+            raise ValueError(f"absorb must be 'kept' (every kept entry but the sinks), 'picks' (the base's "
+                             f"picks only) or 'none' (nothing: the rest is evicted), got {self.absorb!r}")
         weighed_by_base = self.calibrate and self.calibrate_with == "base"
         if not 0.0 <= self.saturated <= 1.0 or (self.saturated < 1.0 and not weighed_by_base):
             raise ValueError(f"saturated must be a fraction in [0, 1], below 1 only with calibrate=True and "
@@ -89,8 +90,9 @@ class EvictMerge(ScoringMethod):
 
     @property
     def requires(self) -> Needs:
-        observed = self.calibrate and self.calibrate_with == "observed"
-        return Needs(queries=self.obs_window if observed else 0, merges=True)
+        merges = self.absorb != "none"
+        observed = merges and self.calibrate and self.calibrate_with == "observed"
+        return Needs(queries=self.obs_window if observed else 0, merges=merges)
 
     def scores(self, keys, log_n, ctx):
         return self.base.scores(keys, log_n, ctx)
@@ -115,6 +117,8 @@ class EvictMerge(ScoringMethod):
             scores = ctx.alloc[0].masked_fill(torch.isneginf(log_n), 0.0)  # an empty slot weighs nothing
             idx, empty = top_slots_per_head(*ctx.alloc, ctx.sinks, ctx.window)
             self.tell_selected(idx, ctx)
+            if self.absorb == "none":
+                return KV(keys, values, log_n).take(idx).emptied(empty)
             protect = self._protected(idx, min(ctx.sinks, idx.shape[-1]), keys.shape[2], ctx.window)
             return merge_into_kept(keys, values, log_n, idx, self._floor(scores, ctx), protect,
                                    self._weights(keys, log_n, ctx, scores), empty)
@@ -130,6 +134,8 @@ class EvictMerge(ScoringMethod):
         else:
             idx = top_slots(scores, target, ctx.sinks, window)
         self.tell_selected(idx, ctx)
+        if self.absorb == "none":
+            return KV(keys, values, log_n).take(idx)
         if self.calibrate and attention is None:
             attention = self._weights(keys, log_n, ctx, scores)
         protect = self._protected(idx, protect, keys.shape[2], window)

@@ -46,6 +46,10 @@ PRESETS = [
     Preset("learnedmerge", "evictmerge", {"base": "learnedzip", "alloc": "head", "recent": 0.0, "calibrate_with": "base"},
            "learnedzip's global picks (KVzip's scores predicted from the prefill, no second pass) kept exact, every "
            "other entry merged into them, weighted by the predicted scores"),
+    Preset("surprisezip", "evictmerge", {"base": "learnedzip", "recent": 0.0, "exact": 0.25, "whole": True,
+                                         "absorb": "none"},
+           "the most surprising sentences kept whole (a quarter of the budget) beside learnedzip's picks, the rest "
+           "evicted; one count for every layer and head (vLLM's layout), no second pass"),
     Preset("zipguardmerge", "evictmerge",
            {"base": "zipguard", "alloc": "head", "recent": 0.0, "calibrate_with": "base", "saturated": 0.25,
             "base.saturated": 0.25, "base.fallback": "surprisal+echo"},

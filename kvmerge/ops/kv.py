@@ -31,6 +31,11 @@ class KV(NamedTuple):
         """The slots `idx` `(b, h, k)`, in that order."""
         return KV(*(gather_slots(x, idx) for x in self))
 
+    def emptied(self, empty: torch.Tensor) -> KV:
+        """The slots where `empty` `(b, h, k)` bool is set made empty: zeros, log_n −inf (a head's padding)."""
+        return KV(self.keys.masked_fill(empty[..., None], 0), self.values.masked_fill(empty[..., None], 0),
+                  self.log_n.masked_fill(empty, float("-inf")))
+
     def narrow(self, start: int, length: int) -> KV:
         return KV(*(x.narrow(2, start, length) for x in self))
 

@@ -101,10 +101,7 @@ def merge_into_kept(keys, values, log_n, idx, floor: float = -1.0, protect=0, at
         weight = masses(log_n) * (kept | join)
         count = torch.zeros(b, h, t, dtype=torch.float32, device=keys.device).scatter_add_(2, assign, weight)
         out = KV(weighted_mean(keys, assign, weight, t), weighted_mean(values, assign, weight, t), count.log())
-    if empty is None:
-        return out
-    return KV(out.keys.masked_fill(empty[..., None], 0), out.values.masked_fill(empty[..., None], 0),
-              out.log_n.masked_fill(empty, float("-inf")))
+    return out if empty is None else out.emptied(empty)
 
 
 def fold_values(keys, values, idx, similarity_threshold: float = 0.0, merge_fraction: float = 1.0,
