@@ -270,8 +270,10 @@ def test_global_allocation_greedy_generation_runs_and_refuses_what_it_cannot_do(
     session = kvmerge.Session(model, 2, kvmerge.get_method("snapkv", alloc="head", window=8))
     with pytest.raises(ValueError, match="rows without padding"), torch.no_grad():  # the planner's own guard
         session.prefill([random_ids(160, seed=1), random_ids(120, seed=2)])
-    with pytest.raises(ValueError, match="set recent=0 and exact=0"):  # a fixed per-head share bypasses alloc
+    with pytest.raises(ValueError, match="set recent=0, and exact=0 or absorb='none'"):  # a fixed share bypasses alloc
         kvmerge.get_method("evictmerge:alloc=head", 0.25)
+    with pytest.raises(ValueError, match="exact=0 or absorb='none'"):  # an exact share ranks first only evicting
+        kvmerge.get_method("evictmerge:alloc=head:recent=0:exact=0.25", 0.25)
     for spec in ("mergingpress:alloc=head", "pyramidkv:alloc=layer"):  # merging otherwise, or budgets of its own
         with pytest.raises(ValueError, match="applies to methods that keep their highest-scored"):
             kvmerge.generate_ids(model, random_ids(160, seed=1), [3], kvmerge.get_method(spec + ":window=8", 0.25),

@@ -1,6 +1,7 @@
 """Surprisal selection and exact picks: the plumbing, the sentence scores, what stays exact."""
 
 import functools
+from dataclasses import replace
 
 import torch
 
@@ -92,6 +93,36 @@ def test_absorb_none_evicts_beside_the_exact_share_and_keeps_what_a_merge_nobody
     floor = out[str({"min_cosine": 2.0})]
     assert torch.equal(floor[0], k) and torch.allclose(floor[1], v, atol=1e-6) and torch.allclose(floor[2], ln)
     assert not torch.equal(out["{}"][1], v)  # the merging form moves values: the test can tell them apart
+
+
+def test_under_global_allocation_every_heads_exact_share_is_kept_and_the_rest_follows_the_global_ranking():
+    """`exact` with `alloc="head"` and `absorb="none"`: each head's exact share (whole sentences, of the
+    uniform count) ranks before every score, the rest of the budget goes by the base's global ranking:
+    without the share, the same picks as the base alone with `alloc="head"`."""
+    from kvmerge.allocation import Allocation
+
+    keys, values, ctx = _surprising_sentence_case()
+    log_n = torch.zeros(1, 2, 60)
+    base = kvmerge.get_method("snapkv", budget=17, sinks=2, window=10, alloc="head")
+    shared = kvmerge.get_method("evictmerge", budget=17, sinks=2, window=10, base="snapkv", alloc="head", recent=0.0,
+                                exact=5 / 17, whole=True, absorb="none")
+    plain = kvmerge.get_method("evictmerge", budget=17, sinks=2, window=10, base="snapkv", alloc="head", recent=0.0,
+                               absorb="none")
+    kept = {}
+    for name, m in (("base", base), ("shared", shared), ("plain", plain)):
+        m.setup_all(Runtime(TinyTokenizer()))
+        layers = [(keys, values), (values, keys)]  # two layers: one budget over both
+        allocation = Allocation.of(m, ((m.scores(k, log_n, ctx), log_n) for k, _ in layers), 17, 10)
+        kept[name] = []
+        for i, (k, v) in enumerate(layers):
+            out = m.compress(k, v, log_n, replace(ctx, layer_idx=i, alloc=allocation.layer(i)))
+            real = ~torch.isneginf(out.log_n)
+            kept[name].append([sorted(torch.where((k[0, h, :, None] == out.keys[0, h, None, real[0, h]]).all(-1))[0]
+                                      .tolist()) for h in range(2)])
+        assert sum(int(c.sum()) for c in allocation.counts) == 2 * 2 * 17
+    assert kept["plain"] == kept["base"]
+    assert all(set(range(20, 25)) <= set(head) for layer in kept["shared"] for head in layer)
+    assert any(not set(range(20, 25)) <= set(head) for layer in kept["base"] for head in layer)  # the share decides
 
 
 def test_surprisal_without_a_tokenizer_says_so():

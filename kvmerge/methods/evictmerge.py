@@ -38,9 +38,10 @@ class EvictMerge(ScoringMethod):
     scoring as it does, e.g. its whole sentence) when there is room.
     `absorb="picks"`: only `base`'s picks absorb; the sinks and the recent window keep their own
     entries exactly, so a head that keeps nothing else evicts the rest instead of folding it in.
-    `alloc` ("layer", "head", "fit"; needs recent=0, exact=0): the kept entries are chosen by global
-    allocation over every layer and head (`ScoringMethod`), then the rest merge into them as above;
-    a head's padding slots absorb nothing and stay empty.
+    `alloc` ("layer", "head", "fit"; needs recent=0, and exact=0 unless absorb="none"): the kept
+    entries are chosen by global allocation over every layer and head (`ScoringMethod`), then the rest
+    merge into them as above; a head's padding slots absorb nothing and stay empty. An exact share
+    there is each head's own (of the uniform count), ranked before every other score.
     `saturated` (< 1, with `calibrate_with="base"`): a head in which more than this fraction of the
     free entries (outside sinks and window) have base scores above one half (the base's `level`, if it
     has one) evicts instead of merging:
@@ -79,10 +80,11 @@ class EvictMerge(ScoringMethod):
             if self.calibrate and self.calibrate_with == "expected" else None
         for part in ("base", "exact_by"):
             check_scoring_part(self, part)
-        if self.alloc != "uniform" and (self.exact > 0 or self.recent > 0):
+        if self.alloc != "uniform" and (self.recent > 0 or (self.exact > 0 and self.absorb != "none")):
             raise ValueError(f"{self.name}: alloc={self.alloc!r} spends the whole budget by {self.name}'s scores over "
-                             f"every layer and head; a fixed recent share (recent={self.recent}) or exact share "
-                             f"(exact={self.exact}) per head would bypass it: set recent=0 and exact=0")
+                             f"every layer and head; a fixed recent share (recent={self.recent}) per head would "
+                             f"bypass it, and an exact share (exact={self.exact}) ranks first there only when "
+                             f"nothing merges: set recent=0, and exact=0 or absorb='none'")
 
     def parts(self):
         parts = [self.base] + ([self.exact_by] if self.exact > 0 else [])
@@ -95,7 +97,11 @@ class EvictMerge(ScoringMethod):
         return Needs(queries=self.obs_window if observed else 0, merges=merges)
 
     def scores(self, keys, log_n, ctx):
-        return self.base.scores(keys, log_n, ctx)
+        scores = self.base.scores(keys, log_n, ctx)
+        if self.exact > 0 and self.alloc != "uniform":  # each head's exact share ranks first, as AdaKV's floor
+            exact = self._exact_slots(keys, log_n, ctx, ctx.target, ctx.window)
+            scores = scores.float().masked_fill(exact, torch.finfo(torch.float32).max)
+        return scores
 
     def layer_target(self, ctx):
         return self.base.layer_target(ctx)
