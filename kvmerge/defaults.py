@@ -6,8 +6,9 @@ without a method, and the vLLM plugin without a "method" setting compress with (
 `kvmerge.scorer.find` looks: trained here, in `$KVMERGE_SCORERS`, or shipped for the bundled SmolLM2
 and Gemma-3); on a model with sliding-window layers with the sliding share, `learnedzip:sliding=0.75`,
 as its held-out results were measured (docs/results.md, suite `generalise-test`); in vLLM, and for a
-batch of rows of different lengths, `learnedzip:alloc=uniform` (one entry count for every layer and
-head: a global ranking and the sliding share need rows of one length). Without weights,
+batch of rows of different lengths, `surprisezip` (one entry count for every layer and head, which a
+global ranking and the sliding share cannot keep to: the most surprising sentences kept whole beside
+`learnedzip`'s picks, which alone lose needles there; docs/research-log.md, R42). Without weights,
 `mixedmerge`, and one logged line (once per model and process) names the command that fits them. A
 model whose every layer attends in a sliding window (Mistral-7B-v0.1's config, Phi-3-mini's) has
 nothing to compress or train: `mixedmerge`, unannounced, which the session refuses naming `full`.
@@ -22,7 +23,7 @@ import logging
 LEARNED = "learnedzip"
 FALLBACK = "mixedmerge"
 SLIDING = "learnedzip:sliding=0.75"
-UNIFORM = "learnedzip:alloc=uniform"  # one entry count for every layer and head: vLLM, rows of different lengths
+UNIFORM = "surprisezip"  # one entry count for every layer and head: vLLM, rows of different lengths
 CANDIDATES = (LEARNED, SLIDING, UNIFORM, FALLBACK)  # every spec `default_method` returns
 RULE = (f"{LEARNED} where the model has learned-scorer weights (both bundled models; {SLIDING} on models with "
         f"sliding-window layers, {UNIFORM} in vLLM and for rows of different lengths), else {FALLBACK}")

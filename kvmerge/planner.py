@@ -214,4 +214,4 @@ def layer_context(method: Method, view: View, position: int, num_layers: int, kv
         layer_idx=position, num_layers=num_layers, target=target, sinks=method.sinks, window=view.window,
         scaling=view.scaling, queries=queries, rows=rows, state=state, values=kv.values, seen=seen, alloc=alloc,
         token_ids=None if token_rows is None else view.ids[key],
-        surprisal=None if surprisal is None else surprisal[rows][:, -fresh:].to(device))
+        surprisal=None if surprisal is None else surprisal[rows][:, surprisal.shape[1] - fresh:].to(device))

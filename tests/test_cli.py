@@ -221,8 +221,8 @@ def test_methods_fit_the_terminal_and_name_the_default(capsys, monkeypatch):
     legend = " ".join(out.split())
     assert ("Default (kvmerge generate, kvmerge.compressing, the vLLM plugin): learnedzip where the model has "
             "learned-scorer weights (both bundled models; learnedzip:sliding=0.75 on models with sliding-window layers, "
-            "learnedzip:alloc=uniform in vLLM and for rows of different lengths), else mixedmerge, which logs one line naming `kvmerge train-scorer "
-            "--model PATH`.") in legend
+            "surprisezip in vLLM and for rows of different lengths), else mixedmerge, which logs one line naming "
+            "`kvmerge train-scorer --model PATH`.") in legend
     assert main(["methods", "snapkv"]) == 0
     detail = capsys.readouterr().out
     assert max(map(len, detail.splitlines())) <= 100

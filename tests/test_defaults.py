@@ -41,7 +41,7 @@ def test_a_model_without_weights_defaults_to_mixedmerge_with_one_line_naming_the
     assert "`kvmerge train-scorer --model PATH` fits them" in line and "then the default is learnedzip" in line
     kvmerge.defaults._told.clear()
     assert default_method(model.config, runtime="vllm") == "mixedmerge"
-    assert told(caplog)[-1].endswith("then the default is learnedzip:alloc=uniform")  # vLLM's, once trained
+    assert told(caplog)[-1].endswith("then the default is surprisezip")  # vLLM's, once trained
 
 
 def test_weights_that_do_not_fit_or_a_model_kvmerge_cannot_run_fall_back_to_mixedmerge(caplog, monkeypatch, tmp_path):
@@ -64,7 +64,7 @@ def test_weights_that_do_not_fit_or_a_model_kvmerge_cannot_run_fall_back_to_mixe
 def test_a_model_with_weights_defaults_to_learnedzip_as_its_results_were_measured(caplog):
     """conftest's folder holds (random) weights for tiny_model() and the tiny Gemma-3."""
     assert default_method(tiny_model()) == "learnedzip"
-    assert default_method(tiny_model(), runtime="vllm") == "learnedzip:alloc=uniform"
+    assert default_method(tiny_model(), runtime="vllm") == "surprisezip"
     assert default_method(gemma3()) == "learnedzip:sliding=0.75"  # sliding-window layers: the share
     assert told(caplog) == []
 
@@ -216,7 +216,7 @@ def _vllm_config(model, settings):
 def test_the_vllm_plugin_without_a_method_runs_the_default_written_into_its_config(caplog):
     from kvmerge.vllm.config import check
 
-    for model, spec in ((tiny_model(), "learnedzip:alloc=uniform"), (no_weights(), "mixedmerge")):
+    for model, spec in ((tiny_model(), "surprisezip"), (no_weights(), "mixedmerge")):
         config = _vllm_config(model, {"budget": 0.25})
         settings = check(config)
         assert settings.method == spec and config.additional_config["kvmerge"]["method"] == spec  # every process
@@ -294,8 +294,9 @@ def test_rows_of_different_lengths_run_the_default_with_one_count_per_layer_and_
     model = tiny_model()
     rows, questions = [random_ids(150, seed=1), random_ids(170, seed=2)], [[3], [4]]
     out = kvmerge.generate_ids(model, rows, questions, max_new_tokens=2, tokenizer=TinyTokenizer())
-    assert out.stats["method"] == "learnedzip:alloc=uniform" and out.tokens
-    alone = kvmerge.generate_ids(model, rows[:1], questions[:1], "learnedzip:alloc=uniform", max_new_tokens=2)
+    assert out.stats["method"] == "surprisezip" and out.tokens
+    alone = kvmerge.generate_ids(model, rows[:1], questions[:1], "surprisezip", max_new_tokens=2,
+                                 tokenizer=TinyTokenizer())
     assert out.tokens[0] == alone.tokens[0]  # row 0 as the uniform default runs it alone
     calls = []
     hook = model.model.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))

@@ -51,7 +51,7 @@ class Echo(CarriedScores, ScoringMethod):
         if key not in memo:
             fresh = min(ctx.queries.shape[2], keys.shape[2])
             cos, sin = (x[0] for x in self._cos_sin(torch.tensor([self.shift or ctx.seen or keys.shape[2]])))
-            memo[key] = torch.stack([echo_attention(ctx.queries[b, :, -fresh:], keys[b],
+            memo[key] = torch.stack([echo_attention(ctx.queries[b, :, ctx.queries.shape[2] - fresh:], keys[b],
                                                     None if log_n is None else log_n[b], ctx.scaling, cos, sin,
                                                     self.own) for b in range(keys.shape[0])])
         return self.with_carried(memo[key], keys.shape[2], ctx)

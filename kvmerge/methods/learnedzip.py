@@ -53,9 +53,11 @@ class LearnedZip(CarriedScores, ScoringMethod):
         if ctx.queries is None or not hasattr(self, "_scorer"):
             raise ValueError("learnedzip scores the prompt's own queries: compress through a runtime, at prefill")
         fresh = min(ctx.queries.shape[2], keys.shape[2])
+        if fresh == 0:  # a row that ended in an earlier chunk: nothing new to score
+            return keys.new_zeros(keys.shape[:2] + (0,), dtype=torch.float32)
         if self._cos_sin[0] != (ctx.seen, fresh):  # the same positions in every layer
             self._cos_sin = ((ctx.seen, fresh), *self._rotary(torch.arange(ctx.seen - fresh, ctx.seen)))
         _, cos, sin = self._cos_sin
-        q = unrotate(ctx.queries[:, :, -fresh:].float(), cos, sin)
-        k = unrotate(keys[:, :, -fresh:].float(), cos, sin)
-        return (self.sharpen * self._scorer.predict(ctx.layer_idx, q, k, values[:, :, -fresh:])).exp()
+        q, k, v = (x[:, :, x.shape[2] - fresh:] for x in (ctx.queries, keys, values))
+        q, k = unrotate(q.float(), cos, sin), unrotate(k.float(), cos, sin)
+        return (self.sharpen * self._scorer.predict(ctx.layer_idx, q, k, v)).exp()

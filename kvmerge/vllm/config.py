@@ -31,7 +31,7 @@ KERNEL_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # what 
 class Settings:
     """`additional_config["kvmerge"]`: `method`, a spec `kvmerge.get_method` accepts (left out:
     the default for the model, `kvmerge.defaults.default_method(..., runtime="vllm")`, which `check`
-    writes into the config: `learnedzip:alloc=uniform` where it has learned-scorer weights, else
+    writes into the config: `surprisezip` where it has learned-scorer weights, else
     `mixedmerge`), and
     `budget` (a float in (0, 1]: the fraction of each prompt's entries kept per layer and KV head; an
     int: a number of entries; None: the spec's or the method's default) and `imports`: modules or
