@@ -124,6 +124,11 @@ def sliding_layers(layers: list, method, lengths: list[int]) -> list[SlidingLaye
         raise ValueError(f"{method.name}: sliding={method.sliding} moves one count of slots from the sliding "
                          "layers to the compressed ones, so it needs rows of one length (one row, or rows of "
                          "one length)")
+    share, window = method.sliding, min(layer.window for layer in sliding) - 1
+    if isinstance(share, int) and share > window:
+        raise ValueError(f"{method.name}: sliding={share} slots is more than this model's sliding layers hold "
+                         f"({window}: the window's earlier tokens), so it would free nothing; give at most {window} "
+                         "slots, or a fraction of the window in (0, 1]")
     return sliding
 
 

@@ -169,6 +169,9 @@ def test_sliding_is_refused_where_it_cannot_apply():
     session = kvmerge.Session(gemma3(), 2, kvmerge.get_method("snapkv", budget=0.5, window=4, sliding=4))
     with pytest.raises(ValueError, match="rows of one length"):
         session.prefill([random_ids(60), random_ids(50)])
+    with pytest.raises(ValueError, match=rf"sliding={WINDOW} slots is more than .* \({WINDOW - 1}: "):
+        kvmerge.generate_ids(gemma3(), random_ids(60), [3], kvmerge.get_method("snapkv", budget=0.5, window=4,
+                                                                                 sliding=WINDOW))
 
 
 def _chunked_held_mask(n, chunk, held):
