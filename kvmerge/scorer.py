@@ -64,7 +64,8 @@ def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 def features(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Pre-RoPE queries `(b, hq, n, d)`, keys and values `(b, h, n, d)` → `(b, n, (hq + 2h)·d)` float32."""
     b, _, n, _ = keys.shape
-    return torch.cat([x.float().transpose(1, 2).reshape(b, n, -1) for x in (queries, keys, values)], -1)
+    # every size spelled out: n may be 0 (a row whose prompt ended in an earlier chunk)
+    return torch.cat([x.float().transpose(1, 2).reshape(b, n, x.shape[1] * x.shape[3]) for x in (queries, keys, values)], -1)
 
 
 class Scorer:

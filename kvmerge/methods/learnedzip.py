@@ -53,8 +53,6 @@ class LearnedZip(CarriedScores, ScoringMethod):
         if ctx.queries is None or not hasattr(self, "_scorer"):
             raise ValueError("learnedzip scores the prompt's own queries: compress through a runtime, at prefill")
         fresh = min(ctx.queries.shape[2], keys.shape[2])
-        if fresh == 0:  # a row that ended in an earlier chunk: nothing new to score
-            return keys.new_zeros(keys.shape[:2] + (0,), dtype=torch.float32)
         if self._cos_sin[0] != (ctx.seen, fresh):  # the same positions in every layer
             self._cos_sin = ((ctx.seen, fresh), *self._rotary(torch.arange(ctx.seen - fresh, ctx.seen)))
         _, cos, sin = self._cos_sin
