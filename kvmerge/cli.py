@@ -210,7 +210,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="a method spec NAME[:param=value...], e.g. snapkv:kernel=5 (kvmerge methods lists them; "
                      f"full: no compression) (default: {RULE})")
     gen.add_argument("--budget", type=_budget, default=None, metavar="B",
-                     help="what the cache keeps: a fraction of the context in (0, 1] or a whole number of entries "
+                     help="what the cache keeps: a fraction of the context in (0, 1] (0.25 or 25%%) or a whole number of entries "
                      "(or a spec's budget=) (default: 0.25)")
     _answer_args(gen)
     gen.add_argument("--model", default=None, metavar="NAME", help=f"{model_help} (default: smollm2-135m)")
@@ -227,7 +227,7 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--method", type=_method, default=None, metavar="SPEC", help=f"a method spec (default: {RULE}); a costly one "
                       "pays off here, e.g. zipguardmerge")
     comp.add_argument("--budget", type=_budget, default=None, metavar="B",
-                      help="what the cache keeps: a fraction of the context in (0, 1] or a whole number of entries "
+                      help="what the cache keeps: a fraction of the context in (0, 1] (0.25 or 25%%) or a whole number of entries "
                       "(or a spec's budget=) (default: 0.25)")
     comp.add_argument("--model", default=None, metavar="NAME", help=f"{model_help} (default: smollm2-135m)")
     comp.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
@@ -325,7 +325,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", type=_csv(str), default=["default", "streamingllm", "centroidkv", "semanticache"],
                        help="method specs, comma-separated; the word default names the model's default method "
                        "(default: default,streamingllm,centroidkv,semanticache)")
-    bench.add_argument("--budget", type=_budget, default=0.25, help="a fraction, or a whole number of entries")
+    bench.add_argument("--budget", type=_budget, default=0.25, help="a fraction (0.25 or 25%%), or a whole number of entries")
     bench.add_argument("--lengths", type=_csv(_positive), default=[1024, 2048, 4096, 8192], help="context tokens")
     bench.add_argument("--batches", type=_csv(_positive), default=[1, 4, 8], help="batch sizes")
     bench.add_argument("--steps", type=_positive, default=32, help="decode steps timed")

@@ -272,7 +272,7 @@ def default_spec(name) -> str | None:
 def methods(args) -> int:
     from . import catalog
 
-    width = shutil.get_terminal_size().columns  # $COLUMNS, else the terminal's, else 80
+    width = shutil.get_terminal_size((1000, 24)).columns  # $COLUMNS, else the terminal's; piped: whole lines
     print(catalog.detail(args.name, width) if args.name else catalog.table(width))
     return 0
 
@@ -280,7 +280,8 @@ def methods(args) -> int:
 def demo(args) -> int:
     model_name(args.model)
     for spec in args.methods or []:
-        method(spec, None if spec == "full" else args.budget)
+        if spec != "default":  # the model's default method, named once the model loads
+            method(spec, None if spec == "full" else args.budget)
     eval_module("demo").run_demo(args.methods, args.budget, args.length, args.samples, args.model)
     return 0
 

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import InputError, one_line
+from .errors import InputError
 
 COMMANDS = ("compress", "ask", "inspect")  # `kvmerge NAME`, dispatched here by the command line
 
@@ -60,15 +60,9 @@ def compress(args) -> int:
     if args.context != "-" and Path(args.context).expanduser().resolve() == out.resolve():
         raise InputError(f"--out {args.out} is the --context file: writing it would destroy the text; give the .kvz "
                          "file another name")
-    if out.is_file() and out.stat().st_size:  # an empty file (mktemp's) may be overwritten
-        from .context_file import check_file
-        from .errors import KVMergeError
+    from .context_file import replaceable
 
-        try:
-            check_file(out)
-        except (KVMergeError, OSError) as e:
-            raise InputError(f"--out {args.out} exists and kvmerge compress will not overwrite it ({one_line(e)}); "
-                             "give another name, or remove it") from None
+    replaces = replaceable(out, f"--out {args.out}")
     text = read_text(args.context)
     if args.method is not None:  # checked before the model loads
         check_budget_given(args.method, args.budget)
@@ -86,7 +80,8 @@ def compress(args) -> int:
     ctx = compress_context(model, tok, text, spec, args.budget, keep_ids=not args.no_ids,
                            prefill_chunk=args.prefill_chunk, progress=None if args.no_progress else ProgressBars())
     size = ctx.save(out).stat().st_size
-    print(f"[{ctx}; file {size / 2**20:.2f} MiB; {time.perf_counter() - start:.1f} s] → {out}")
+    print(f"[{ctx}; file {size / 2**20:.2f} MiB; {time.perf_counter() - start:.1f} s] → {out}"
+          + (" (replaced the compressed context it held)" if replaces else ""))
     return 0
 
 

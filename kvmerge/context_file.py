@@ -59,6 +59,7 @@ def write(path, tensors: dict, meta: dict) -> Path:
     if path.is_dir() or not path.parent.is_dir():
         raise InputError(f"cannot save to {path}: " + ("it is a folder" if path.is_dir() else
                                                      f"no folder {str(path.parent)!r}"))
+    replaceable(path, f"cannot save to {path}")
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     text = json.dumps(meta)
     try:
@@ -98,6 +99,20 @@ def _bytes_after_end(path) -> int:
         return max(total - end, 0)
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return 0
+
+
+def replaceable(path, what: str) -> bool:
+    """True when `path` holds a compressed context that writing it would replace, False when there is
+    nothing to lose (no file, or an empty one); an `InputError` starting with `what` for any other file."""
+    path = Path(path)
+    if not path.is_file() or not path.stat().st_size:
+        return False
+    try:
+        check_file(path)
+    except (KVMergeError, OSError) as e:
+        raise InputError(f"{what}: it exists and is not a compressed context, which saving will not overwrite "
+                         f"({one_line(e)}); give another name, or remove it") from None
+    return True
 
 
 def check_file(path) -> dict:

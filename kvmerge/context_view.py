@@ -75,8 +75,9 @@ def summary(context, path_bytes: int | None = None) -> str:
         lines.append(f"file {path_bytes / 2**20:.2f} MiB ({path_bytes / m['full_bytes']:.1%} of the full cache)")
     if context.kept is not None:
         share = survival(context)
-        lines.append(f"tokens kept as their own entry by at least one head: {float((share.amax(0) > 0).float().mean()):.0%}"
-                     f"; by most heads of most layers: {float((share.mean(0) >= 0.5).float().mean()):.0%}")
+        some, most, n = int((share.amax(0) > 0).sum()), int((share.mean(0) >= 0.5).sum()), share.shape[1]
+        lines.append(f"tokens kept as their own entry by at least one head: {some:,} of {n:,} ({some / n:.1%}); "
+                     f"by most heads of most layers: {most:,} ({most / n:.1%})")
     return "\n".join(lines)
 
 

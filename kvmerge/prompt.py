@@ -73,13 +73,18 @@ def check_questions(questions: list[str]) -> None:
 
 
 def check_context_text(contexts: list) -> None:
-    """Refuse a context that is the path of a compressed-context file (it would be read as its name)."""
+    """Refuse a context that is the name of an existing file (it would be read as those few words)."""
     import os
 
     for c in contexts:
-        if isinstance(c, str) and c.strip().endswith(".kvz") and len(c) < 4096 and os.path.isfile(c.strip()):
-            raise InputError(f"the context {c.strip()!r} is a compressed-context file's name, not its text: "
+        name = c.strip() if isinstance(c, str) else ""
+        if not name or "\n" in name or len(name) > 4096 or not os.path.isfile(os.path.expanduser(name)):
+            continue
+        if name.endswith(".kvz"):
+            raise InputError(f"the context {name!r} is a compressed-context file's name, not its text: "
                              "kvmerge.load_context(path, model, tokenizer) reads it, then pass what it returns")
+        raise InputError(f"the context {name!r} is a file's name, not its text: pass the text, "
+                         f"e.g. open({name!r}).read()")
 
 
 def one_row(x) -> bool:

@@ -40,6 +40,10 @@ class Stats(dict):
         kept = (f"{entries[0]:,}" if len(entries) == 1 else f"{entries[0]:,}–{entries[-1]:,}") if entries else "?"
         parts = [f"{self.get('method', '?')} at budget {self.get('budget')}", f"{tokens} context tokens",
                  f"{kept} entries per layer (its widest head)"]
+        budget, counts = self.get("budget"), self.get("context_tokens")
+        counts = [counts] if isinstance(counts, int) else list(counts or [])
+        if isinstance(budget, int) and not isinstance(budget, bool) and counts and budget >= max(counts):
+            parts[0] += " (entries, at least the context's tokens: nothing was compressed)"
         if self.ratio is not None:
             parts.append(f"cache {self['cache_bytes'] / MiB:.2f} MiB of {self['full_cache_bytes'] / MiB:.2f} MiB "
                          f"({self.ratio:.1%})")

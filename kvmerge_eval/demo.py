@@ -24,14 +24,14 @@ def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int
 
     console = Console(width=max(Console().width, 100))
     names = methods or list(DEFAULT_METHODS)
-    built = {n: get_method(n, None if n == "full" else budget) for n in names}  # unknown names fail first
+    built = {n: get_method(n, None if n == "full" else budget) for n in names if n != "default"}  # unknown names fail first
     console.print(f"Loading model {model_path or 'SmolLM2-135M-Instruct (bundled)'} ...")
     model, tok = load_model(model_path)
-    if methods is None:  # the method kvmerge generate would run on this model, beside the others
+    if methods is None or "default" in names:  # the method kvmerge generate would run on this model
         own = default_method(model)
-        if own not in names:
-            names.append(own)
-            built[own] = get_method(own, budget)
+        names = [own if n == "default" else n for n in names] + ([own] if methods is None else [])
+        names = [n for i, n in enumerate(names) if n not in names[:i]]
+        built.setdefault(own, get_method(own, budget))
     tasks = [make_sample(tok, length, depth=0.1 + 0.8 * i / max(samples - 1, 1), seed=i) for i in range(samples)]
     rows = []
     with tqdm(total=len(names) * len(tasks), desc="demo", unit="prompt") as bar:

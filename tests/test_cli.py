@@ -106,7 +106,7 @@ MISTAKES = [  # argv, what the line must say
     (["eval", "--text", "lega"], "neither a genre (did you mean legal?)"),
     (["eval", "--model", "smollm3"], "unknown model 'smollm3'"),
     (["bench", "--methods", "nosuch"], "unknown method 'nosuch'"),
-    (["demo", "--methods", "full,mixedmerg"], "unknown method 'mixedmerg' (did you mean mixedmerge"),
+    (["demo", "--methods", "full,default,mixedmerg"], "unknown method 'mixedmerg' (did you mean mixedmerge"),
     (["demo", "--length", "0"], "--length"),
     (["methods", "snapvk"], "unknown method 'snapvk' (did you mean snapkv?)"),
     (["train-scorer", "--model", "gemma-3-270m"], "unknown model 'gemma-3-270m' (did you mean gemma3-270m?)"),

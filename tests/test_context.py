@@ -257,7 +257,7 @@ def test_the_commands_refuse_bad_files_before_any_model_loads(capsys, tmp_path, 
           "is the --context file")
     (tmp_path / "notes.txt").write_text("Keep me: my notes.")
     fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", str(tmp_path / "notes.txt")],
-          "exists and kvmerge compress will not overwrite it", "not a compressed-context file")
+          "exists and is not a compressed context, which saving will not overwrite", "not a compressed-context file")
     fails(capsys, ["inspect", str(tmp_path)], "is a folder, not a compressed-context file")
     _, ctx = _context(tiny_model, "snapkv")
     broken = _rewrite(ctx.save(tmp_path / "b.kvz"), tmp_path / "broken.kvz", meta="{")
@@ -285,6 +285,12 @@ def test_saving_and_loading_refuse_a_wrong_place_and_order_and_files_read_as_any
         ctx.save(tmp_path / "nodir" / "c.kvz")
     with pytest.raises(KVMergeError, match="cannot save to .*: it is a folder"):
         ctx.save(tmp_path)
+    (tmp_path / "notes.txt").write_text("Keep me: my notes.")
+    with pytest.raises(KVMergeError, match="cannot save to .*notes.txt: it exists and is not a compressed context"):
+        ctx.save(tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "Keep me: my notes."
+    (tmp_path / "empty.kvz").touch()  # mktemp's empty file is nothing to lose
+    assert kvmerge.load_context(ctx.save(tmp_path / "empty.kvz"), model, TinyTokenizer()).tokens == ctx.tokens
     import safetensors.torch
 
     def full(tensors, filename, metadata=None):  # a disk that fills up mid-write (root writes anywhere)
@@ -337,6 +343,10 @@ def test_entries_reported_are_the_entries_each_head_holds(spec):
     counted = [int((pos >= -1).sum()) / pos.shape[0] for pos in ctx.kept]
     assert held == pytest.approx(counted)
     assert entries_line(ctx).startswith(f"{min(held):.0f}–{max(held):.0f} (mean ")
+    from kvmerge.context_view import summary, survival
+
+    some = int((survival(ctx).amax(0) > 0).sum())  # counted, not rounded: 159 of 160 is not "100%"
+    assert f"at least one head: {some:,} of {ctx.tokens:,} ({some / ctx.tokens:.1%})" in summary(ctx)
     if spec == "snapkv:alloc=head":
         assert any(cache.layers[i].mean_entries < cache.layers[i].entries for i in cache.compressible)
 
@@ -350,7 +360,11 @@ def test_compress_ask_and_inspect_on_the_bundled_model(capsys, tmp_path):
     out = tmp_path / "c.kvz"
     assert main(["compress", "--context", str(tmp_path / "ctx.txt"), "--out", str(out), "--method", "snapkv",
                  "--no-progress"]) == 0
-    assert "of the full cache" in capsys.readouterr().out and out.is_file()
+    first = capsys.readouterr().out
+    assert "of the full cache" in first and "replaced" not in first and out.is_file()
+    assert main(["compress", "--context", str(tmp_path / "ctx.txt"), "--out", str(out), "--method", "snapkv",
+                 "--no-progress"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("(replaced the compressed context it held)")
     assert main(["ask", str(out), "--question", "What is the code of the back door?", "--max-new-tokens", "12"]) == 0
     answered = capsys.readouterr()
     model, tok = kvmerge.load_model()
@@ -404,6 +418,12 @@ def test_a_files_name_given_as_the_context_text_points_to_load_context(tmp_path)
                  lambda: kvmerge.compress_context(model, TinyTokenizer(), path)):
         with pytest.raises(KVMergeError, match="is a compressed-context file's name, not its text: kvmerge.load_context"):
             call()
+    (tmp_path / "notes.txt").write_text("The code of the back door is 4721. " * 40)
+    with pytest.raises(KVMergeError, match=r"notes.txt' is a file's name, not its text: pass the text, e.g. open\("):
+        kvmerge.generate(model, TinyTokenizer(), str(tmp_path / "notes.txt"), "q")
+    from kvmerge.prompt import check_context_text
+
+    check_context_text(["notes.txt", f"{path}\n{path}"])  # no such file here; two lines are text
 
 
 def test_a_model_folder_is_stored_as_a_full_path(tmp_path, monkeypatch):

@@ -125,6 +125,14 @@ def test_stats_name_the_layers_the_budget_applies_to_when_others_keep_their_wind
     assert "(87.5%)" in line and "the layers the budget applies to 25.0% (sliding-window layers keep their window)" in line
 
 
+def test_stats_say_when_a_count_budget_holds_the_whole_context(llama):
+    out = kvmerge.generate_ids(llama, random_ids(200), [3, 4], "snapkv", budget=2000, max_new_tokens=1)
+    assert "at budget 2000 (entries, at least the context's tokens: nothing was compressed)" in str(out.stats)
+    assert out.stats["cache_bytes"] == out.stats["full_cache_bytes"]
+    out = kvmerge.generate_ids(llama, random_ids(200), [3, 4], "snapkv", budget=100, max_new_tokens=1)
+    assert "nothing was compressed" not in str(out.stats)
+
+
 def test_budget_goes_with_a_name_and_a_method_object_carries_its_own(llama):
     ids = random_ids(200, seed=3)
     out = kvmerge.generate_ids(llama, ids, [3, 4], "snapkv:window=8", max_new_tokens=2, budget=0.5)
