@@ -193,6 +193,10 @@ def compressing(model, method: Method | str | None = None, tokenizer=None, **par
             name = method.label
             raise InputError(f"{name} needs the model's tokenizer (sentence ends, its chat template): pass "
                              f"tokenizer=tok to kvmerge.compressing")
+        if tokenizer is not None:
+            from .prompt import check_tokenizer
+
+            check_tokenizer(tokenizer, "compressing(model, method, tokenizer=...)", model)
     compressor = Compressor(model, method, tokenizer, named)
     own = vars(model).get("generate")  # an instance attribute set before, if any
     with kvmerge_attention(model):

@@ -266,7 +266,7 @@ def compress_context(model, tokenizer, context, method=None, budget: float | int
     with refusing():
         call = "compress_context(model, tokenizer, context, ...)"
         check_model(model, call)
-        check_tokenizer(tokenizer, call)
+        check_tokenizer(tokenizer, call, model)
         if not isinstance(context, (str, list, tuple, torch.Tensor)) or (
                 isinstance(context, (list, tuple)) and context and isinstance(context[0], str)):
             raise ParameterTypeError(f"{call} takes one context: a str, or its token ids (a list of ints); got "
@@ -316,7 +316,7 @@ def load_context(path, model, tokenizer) -> CompressedContext:
             raise ParameterTypeError(f"load_context(path, model, tokenizer) takes the file's path first, got "
                                      f"{type(path).__name__}")
         check_model(model, "load_context(path, model, tokenizer)")
-        check_tokenizer(tokenizer, "load_context(path, model, tokenizer)")
+        check_tokenizer(tokenizer, "load_context(path, model, tokenizer)", model)
         path = Path(path)
         tensors, meta = read(path, check_file(path))
         if meta["model"] not in fingerprints(model.config):

@@ -125,7 +125,7 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
         check_questions(questions)
         check_context_text([context])
         method = resolve(model, method, budget)[0] if budget is not None or isinstance(method, str) else method
-        check_tokenizer(tokenizer, call)
+        check_tokenizer(tokenizer, call, model)
         pairs = [split_prompt(tokenizer, context, q, chat_template) for q in questions]
         shared = common_prefix([c for c, _ in pairs])
         question_rows = [(c + q)[len(shared):] for c, q in pairs]
@@ -221,7 +221,7 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
             raise InputError(f"{len(contexts)} contexts but {len(questions)} questions{hint}")
         call = "generate(model, tokenizer, context, question, ...)"
         check_model(model, call)
-        check_tokenizer(tokenizer, call)
+        check_tokenizer(tokenizer, call, model)
         check_questions(questions)
         check_context_text(contexts)
         if method == "default":

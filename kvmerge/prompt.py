@@ -35,12 +35,31 @@ def check_model(model, call: str) -> None:
                                  "(model, tok = kvmerge.load_model(...))")
 
 
-def check_tokenizer(tokenizer, call: str) -> None:
-    """Refuse a missing tokenizer, or something else in its place (the model: the two swapped)."""
+def check_tokenizer(tokenizer, call: str, model=None) -> None:
+    """Refuse a missing tokenizer, something else in its place (the model: the two swapped), or, with
+    `model`, another model's tokenizer: more ids than the model's vocabulary, or neither its
+    beginning nor its end-of-text id the model's (each where both sides name one)."""
     if tokenizer is None:
         raise InputError(f"{call} reads text and needs the model's tokenizer: pass the one load_model returned")
     if isinstance(tokenizer, torch.nn.Module) or not callable(tokenizer):
         raise ParameterTypeError(f"{call} takes the model's tokenizer second, got {type(tokenizer).__name__}")
+    if model is None:
+        return
+    config = model.config.get_text_config(decoder=True)
+    try:
+        size = len(tokenizer)
+    except TypeError:
+        size = None
+    ids = {}
+    for name in ("bos_token_id", "eos_token_id"):
+        own, theirs = getattr(tokenizer, name, None), getattr(config, name, None)
+        theirs = set(theirs) if isinstance(theirs, (list, tuple)) else {theirs} - {None}
+        ids[name] = None if own is None or not theirs else own in theirs
+    why = (f"it has {size:,} ids, the model's vocabulary {config.vocab_size:,}" if size and size > config.vocab_size
+           else "neither its beginning- nor its end-of-text id is the model's" if ids == dict.fromkeys(ids, False)
+           else None)
+    if why:
+        raise InputError(f"{call}: the tokenizer is not this model's ({why}): pass the tokenizer loaded with the model")
 
 
 def split_prompt(tokenizer, context: str, question: str, chat_template: bool = True):
