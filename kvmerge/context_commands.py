@@ -115,9 +115,16 @@ def inspect(args) -> int:
     from .commands import writable
 
     path, meta = _file(args.file)
-    for option, name in (("--png", args.png), ("--html", args.html)):
-        if name is not None:
-            writable(option, name)
+    for option, name, kinds in (("--png", args.png, (".png",)), ("--html", args.html, (".html", ".htm"))):
+        if name is None:
+            continue
+        out = writable(option, name)
+        if out.resolve() == path.resolve():
+            raise InputError(f"{option} {name} is the compressed-context file: writing it would destroy it; give "
+                             "another name")
+        if out.is_file() and out.stat().st_size and out.suffix.lower() not in kinds:
+            raise InputError(f"{option} {name} exists and is not a {kinds[0]} file, which kvmerge inspect will not "
+                             "overwrite; give another name, or remove it")
     model, tok = _model_of(args, meta)
     from . import context_view
 

@@ -269,6 +269,10 @@ def test_the_commands_refuse_bad_files_before_any_model_loads(capsys, tmp_path, 
     good = ctx.save(tmp_path / "good.kvz")
     fails(capsys, ["inspect", str(good), "--png", str(tmp_path / "nodir" / "k.png")], "--png", "no folder")
     fails(capsys, ["inspect", str(good), "--html", str(tmp_path)], "--html", "is a folder")
+    fails(capsys, ["inspect", str(good), "--html", str(good)], "--html", "is the compressed-context file")
+    fails(capsys, ["inspect", str(good), "--png", str(tmp_path / "notes.txt")], "--png",
+          "exists and is not a .png file, which kvmerge inspect will not overwrite")
+    assert (tmp_path / "notes.txt").read_text() == "Keep me: my notes."
     fails(capsys, ["ask", str(good), "--question", "Why?", "--top-k", "5"], "--top-k", "--temperature")
     fails(capsys, ["ask", str(good), "--question", "Why?", "--stop", ","], "--stop", "comma-separated list")
     moved = _tamper(good, tmp_path / "moved.kvz", lambda t, m: m.update(model_name="tiny-llama"), True)
