@@ -205,9 +205,9 @@ def table(width: int | None = None) -> str:
     width = width or 100
     data = rows()
     head = ("  name", "kind", "cost", "runs in", "what it does")
-    from .defaults import FALLBACK, LEARNED, RULE
+    from .defaults import FALLBACK, LEARNED, RULE, UNIFORM
 
-    mark = {LEARNED: " (default)", FALLBACK: " (fallback)"}
+    mark = {LEARNED: " (default)", UNIFORM: " (default in vLLM)", FALLBACK: " (fallback)"}
     cells = [(("* " if r["recommended"] else "  ") + r["name"] + mark.get(r["name"], ""),
               r["kind"] if not r["experimental"] else "part", _cost(r), _where(r, short=True),
               SHORT.get(r["name"], r["summary"])) for r in data]

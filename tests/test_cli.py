@@ -193,7 +193,8 @@ def test_methods_table_says_what_each_does_its_cost_and_where_it_runs(capsys, mo
     out = capsys.readouterr().out
     cols = {c[0].lstrip("* "): c for c in (re.split(r"\s{2,}", line.strip()) for line in out.splitlines())
             if len(c) == 5}
-    cols = {name.removesuffix(" (default)").removesuffix(" (fallback)"): c for name, c in cols.items()}
+    cols = {re.sub(r" \((default|default in vLLM|fallback)\)$", "", name): c for name, c in cols.items()}
+    assert cols["surprisezip"][0] == "surprisezip (default in vLLM)"
     assert cols["zipguardmerge"][0] == "* zipguardmerge" and cols["mixedmerge"][0].startswith("* mixedmerge")
     assert cols["kvzip"][2] == "2nd pass" and cols["snapkv"][2] == "one pass" and "vLLM" in cols["snapkv"][3]
     assert "vLLM" not in cols["kvzip"][3] and cols["zipguard"][1] == "part"

@@ -17,7 +17,7 @@ from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 
 import kvmerge  # noqa: E402
 from kvmerge.model import cache_dir  # noqa: E402
-from kvmerge.vllm.config import SCHEDULER, WORKER, layout, needs_channel, refusal  # noqa: E402
+from kvmerge.vllm.config import SCHEDULER, WORKER, layout, needs_channel, refusal, settings_of  # noqa: E402
 
 MODEL = cache_dir() / "smollm2-135m"
 ENGINE = dict(model=str(MODEL), dtype="float32", max_model_len=4096, enforce_eager=True, block_size=32,
@@ -51,6 +51,8 @@ def test_plugin_off_leaves_the_config_stock_and_on_installs_its_worker_and_sched
     ({"method": "snapkv", "budget": 1.5}, r"budget fraction must be in \(0, 1\], got 1.5"),
     ({"method": "snapkv", "budget": 0.0}, r"budget fraction must be in \(0, 1\], got 0.0"),
     ({"method": "snapkv", "budget": 3}, "below the protected sinks"),
+    ({"method": "snapkv", "budget": 25}, r"below the protected sinks \+ window \(4 \+ 32\) \(for 25%, write 0.25\)"),
+    ({"method": "snapkv", "budget": 0.25, "imports": ["nosuchmod"]}, r"(^|Value error, )kvmerge: no module or file 'nosuchmod'"),
     ({"method": "snapkv", "budget": "half"}, "budget must be a float"),
     ({"method": "snapkv:kernal=5"}, "snapkv has no parameter"),
     ({"method": 3, "budget": 0.25}, '"method" must be a method spec'),  # left out: the default (test_defaults.py)
@@ -89,6 +91,14 @@ def test_unsupported_model_type_is_refused(tmp_path):
         (tmp_path / name).write_text((MODEL / name).read_text())
     with pytest.raises(ValueError, match="unsupported model type 'gemma3_text'"):
         config({"method": "snapkv", "budget": 0.25}, model=str(tmp_path))
+
+
+@pytest.mark.parametrize("additional", [{"kvmerg": {"method": "snapkv"}}, {"KVMerge": {}}, {"kv_merge": {}},
+                                        {"kvmerge": None}])
+def test_a_misspelled_or_empty_key_is_refused_not_left_stock(additional):
+    with pytest.raises(ValueError, match=r"^kvmerge: additional_config(\[\"kvmerge\"\] is None| has '.*', not 'kvmerge')"):
+        settings_of(additional)
+    assert settings_of({"other_plugin": {"a": 1}}) is None and settings_of(None) is None
 
 
 def test_every_registered_method_is_runnable_or_refused_with_a_reason():

@@ -155,9 +155,10 @@ class Method:
             raise ValueError(f"budget must be a fraction in (0, 1] (e.g. 0.25) or a whole number of entries >= 1, "
                              f"got {self.budget}")
         elif self.budget < self.sinks + self.window:
+            hint = (": budget=1.0 keeps every entry" if self.budget == 1 else
+                    f" (for {self.budget}%, write {self.budget / 100:g})" if self.budget <= 100 else "")
             raise ValueError(f"budget of {self.budget} entries is below the protected sinks + window "
-                             f"({self.sinks} + {self.window})" + (": budget=1.0 keeps every entry" if self.budget == 1
-                                                                   else ""))
+                             f"({self.sinks} + {self.window}){hint}")
 
     @property
     def label(self) -> str:

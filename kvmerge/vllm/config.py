@@ -51,10 +51,23 @@ class Settings:
 
 
 def settings_of(additional_config) -> Settings | None:
-    """The plugin's settings from vLLM's `additional_config` (None: the plugin is off)."""
-    if not isinstance(additional_config, dict) or additional_config.get(KEY) is None:
+    """The plugin's settings from vLLM's `additional_config` (None: the plugin is off). A key spelled
+    nearly as "kvmerge", or "kvmerge" set to None, is refused: either would leave vLLM stock without a word."""
+    if not isinstance(additional_config, dict):
+        return None
+    if KEY not in additional_config:
+        import difflib
+
+        near = [k for k in additional_config if isinstance(k, str) and (
+            k.lower() == KEY or difflib.SequenceMatcher(None, k.lower(), KEY).ratio() >= 0.8)]
+        if near:
+            raise ValueError(f"kvmerge: additional_config has {near[0]!r}, not {KEY!r}: the plugin reads only "
+                             f'"{KEY}" (with {near[0]!r} it would stay off)')
         return None
     raw = additional_config[KEY]
+    if raw is None:
+        raise ValueError(f'kvmerge: additional_config["{KEY}"] is None: give the settings ({{}} for the default '
+                         f"method at budget 0.25), or leave the key out for stock vLLM")
     if not isinstance(raw, dict):
         raise ValueError(f'kvmerge: additional_config["kvmerge"] must be a dict like {{"method": "snapkv", '
                          f'"budget": 0.25}}, got {raw!r}')
@@ -159,7 +172,7 @@ def check(vllm_config) -> Settings | None:
     try:
         method = settings.build()
     except (ValueError, TypeError) as e:
-        raise ValueError(f"kvmerge: {e}") from e
+        raise ValueError(f"kvmerge: {str(e).removeprefix('kvmerge: ')}") from e
     reason = refusal(method)
     if reason is not None:
         raise ValueError(f"kvmerge: method {settings.method!r} cannot run inside vLLM yet: {reason}")
