@@ -37,7 +37,8 @@ def check_model(model, call: str) -> None:
 
 def check_tokenizer(tokenizer, call: str, model=None) -> None:
     """Refuse a missing tokenizer, something else in its place (the model: the two swapped), or, with
-    `model`, another model's tokenizer: more ids than the model's vocabulary, or neither its
+    `model`, another model's tokenizer: over 10% more ids than the model's vocabulary (a few added
+    tokens, a padding token say, are common and harmless until used), or neither its
     beginning nor its end-of-text id the model's (each where both sides name one)."""
     if tokenizer is None:
         raise InputError(f"{call} reads text and needs the model's tokenizer: pass the one load_model returned")
@@ -55,7 +56,7 @@ def check_tokenizer(tokenizer, call: str, model=None) -> None:
         own, theirs = getattr(tokenizer, name, None), getattr(config, name, None)
         theirs = set(theirs) if isinstance(theirs, (list, tuple)) else {theirs} - {None}
         ids[name] = None if own is None or not theirs else own in theirs
-    why = (f"it has {size:,} ids, the model's vocabulary {config.vocab_size:,}" if size and size > config.vocab_size
+    why = (f"it has {size:,} ids, the model's vocabulary {config.vocab_size:,}" if size and size > 1.1 * config.vocab_size
            else "neither its beginning- nor its end-of-text id is the model's" if ids == dict.fromkeys(ids, False)
            else None)
     if why:

@@ -409,5 +409,5 @@ def test_another_models_tokenizer_is_refused_by_its_ids(llama):
         with pytest.raises(KVMergeError, match="compressing.*the tokenizer is not this model's"):
             with kvmerge.compressing(llama, "snapkv", tokenizer=tok):
                 pass
-    for tok in (Other(1, 8), Other(None, 9), Other(1, 2)):
+    for tok in (Other(1, 8), Other(None, 9), Other(1, 2), Other(1, 2, size=llama.config.vocab_size + 1)):
         assert kvmerge.compress_context(llama, tok, text, "snapkv").tokens == len(text)
