@@ -340,6 +340,7 @@ STARTUP = [
     ("malformed additional_config (not JSON)", '{"kvmerge": {"method": "snapkv"', "--additional-config is not valid JSON"),
     ("malformed additional_config (not a dict)", '{"kvmerge": "snapkv"}', 'additional_config["kvmerge"] must be a dict'),
     ("unknown setting", '{"kvmerge": {"method": "snapkv", "bugdet": 0.25}}', "unknown setting(s) bugdet"),
+    ("misspelled key", '{"kvmerg": {"method": "snapkv"}}', "additional_config has 'kvmerg', not 'kvmerge'"),
     ("prefix caching left on", '{"kvmerge": {"method": "snapkv", "budget": 0.25}}', "prefix caching is on"),
 ]
 

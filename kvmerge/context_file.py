@@ -110,8 +110,11 @@ def replaceable(path, what: str) -> bool:
     try:
         check_file(path)
     except (KVMergeError, OSError) as e:
-        raise InputError(f"{what}: it exists and is not a compressed context, which saving will not overwrite "
-                         f"({one_line(e)}); give another name, or remove it") from None
+        ours = isinstance(e, ContextFileError) and "is not a compressed-context file" not in str(e)
+        kind = (f"a compressed context this kvmerge cannot read ({one_line(str(e).removeprefix(f'{path} '))})" if ours
+                else "not a compressed context")
+        raise InputError(f"{what}: it exists and is {kind}, which saving will not overwrite; give another name, or "
+                         "remove it") from None
     return True
 
 

@@ -38,8 +38,9 @@ def check_model(model, call: str) -> None:
 def check_tokenizer(tokenizer, call: str, model=None) -> None:
     """Refuse a missing tokenizer, something else in its place (the model: the two swapped), or, with
     `model`, another model's tokenizer: over 10% more ids than the model's vocabulary (a few added
-    tokens, a padding token say, are common and harmless until used), or neither its
-    beginning nor its end-of-text id the model's (each where both sides name one)."""
+    tokens, a padding token say, are common and harmless until used), or over 10% fewer and neither
+    its beginning- nor its end-of-text id the model's (each where both sides name one; a base model
+    with its instruct tokenizer shares the vocabulary and passes)."""
     if tokenizer is None:
         raise InputError(f"{call} reads text and needs the model's tokenizer: pass the one load_model returned")
     if isinstance(tokenizer, torch.nn.Module) or not callable(tokenizer):
@@ -57,8 +58,9 @@ def check_tokenizer(tokenizer, call: str, model=None) -> None:
         theirs = set(theirs) if isinstance(theirs, (list, tuple)) else {theirs} - {None}
         ids[name] = None if own is None or not theirs else own in theirs
     why = (f"it has {size:,} ids, the model's vocabulary {config.vocab_size:,}" if size and size > 1.1 * config.vocab_size
-           else "neither its beginning- nor its end-of-text id is the model's" if ids == dict.fromkeys(ids, False)
-           else None)
+           else f"it has {size:,} ids, the model's vocabulary {config.vocab_size:,}, and neither its beginning- nor "
+           "its end-of-text id is the model's" if size and size < 0.9 * config.vocab_size and ids == dict.fromkeys(
+               ids, False) else None)
     if why:
         raise InputError(f"{call}: the tokenizer is not this model's ({why}): pass the tokenizer loaded with the model")
 
@@ -104,7 +106,7 @@ def check_context_text(contexts: list) -> None:
             raise InputError(f"the context {name!r} is a compressed-context file's name, not its text: "
                              "kvmerge.load_context(path, model, tokenizer) reads it, then pass what it returns")
         raise InputError(f"the context {name!r} is a file's name, not its text: pass the text, "
-                         f"e.g. open({name!r}).read()")
+                         f"e.g. open({os.path.expanduser(name)!r}).read()")
 
 
 def one_row(x) -> bool:

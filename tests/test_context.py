@@ -257,7 +257,7 @@ def test_the_commands_refuse_bad_files_before_any_model_loads(capsys, tmp_path, 
           "is the --context file")
     (tmp_path / "notes.txt").write_text("Keep me: my notes.")
     fails(capsys, ["compress", "--context", str(tmp_path / "ctx.txt"), "--out", str(tmp_path / "notes.txt")],
-          "exists and is not a compressed context, which saving will not overwrite", "not a compressed-context file")
+          "exists and is not a compressed context, which saving will not overwrite")
     fails(capsys, ["inspect", str(tmp_path)], "is a folder, not a compressed-context file")
     _, ctx = _context(tiny_model, "snapkv")
     broken = _rewrite(ctx.save(tmp_path / "b.kvz"), tmp_path / "broken.kvz", meta="{")
@@ -293,6 +293,15 @@ def test_saving_and_loading_refuse_a_wrong_place_and_order_and_files_read_as_any
     with pytest.raises(KVMergeError, match="cannot save to .*notes.txt: it exists and is not a compressed context"):
         ctx.save(tmp_path / "notes.txt")
     assert (tmp_path / "notes.txt").read_text() == "Keep me: my notes."
+    import safetensors.torch
+
+    from kvmerge.context_file import FORMAT, VERSION
+
+    newer = tmp_path / "newer.kvz"
+    safetensors.torch.save_file({"x": torch.zeros(1)}, str(newer), metadata={"format": FORMAT, "version": str(VERSION + 1)})
+    with pytest.raises(KVMergeError, match=f"it exists and is a compressed context this kvmerge cannot read \\(is format "
+                                           f"version {VERSION + 1}, newer"):
+        ctx.save(newer)
     (tmp_path / "empty.kvz").touch()  # mktemp's empty file is nothing to lose
     assert kvmerge.load_context(ctx.save(tmp_path / "empty.kvz"), model, TinyTokenizer()).tokens == ctx.tokens
     import safetensors.torch

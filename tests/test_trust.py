@@ -390,8 +390,8 @@ def test_answer_questions_samples_each_answer_as_generate_would_alone(llama):
 
 
 def test_another_models_tokenizer_is_refused_by_its_ids(llama):
-    """A tokenizer with more ids than the model's vocabulary, or whose beginning- and end-of-text ids
-    both differ from the model's, is another model's: refused in one line; one id in common passes."""
+    """A tokenizer with over 10% more ids than the model's vocabulary, or over 10% fewer and neither
+    special id in common, is another model's: refused in one line; the others pass."""
 
     class Other(TinyTokenizer):
         def __init__(self, bos, eos, size=None):
@@ -402,12 +402,13 @@ def test_another_models_tokenizer_is_refused_by_its_ids(llama):
 
     text = random_ids(160)  # the check runs on token ids too
     assert (llama.config.bos_token_id, llama.config.eos_token_id) == (1, 2)
-    for tok, why in ((Other(7, 8), "neither its beginning- nor its end-of-text id"),
+    for tok, why in ((Other(7, 8, size=20), "it has 20 ids, the model's vocabulary 96, and neither its beginning- nor"),
                      (Other(1, 2, size=10 * llama.config.vocab_size), "it has 960 ids, the model's vocabulary")):
         with pytest.raises(KVMergeError, match=f"the tokenizer is not this model's \\({why}"):
             kvmerge.compress_context(llama, tok, text, "snapkv")
         with pytest.raises(KVMergeError, match="compressing.*the tokenizer is not this model's"):
             with kvmerge.compressing(llama, "snapkv", tokenizer=tok):
                 pass
-    for tok in (Other(1, 8), Other(None, 9), Other(1, 2), Other(1, 2, size=llama.config.vocab_size + 1)):
+    for tok in (Other(1, 8), Other(None, 9), Other(1, 2), Other(1, 2, size=llama.config.vocab_size + 1),
+                Other(7, 8)):  # the last: one vocabulary, other special ids (a base model's instruct tokenizer)
         assert kvmerge.compress_context(llama, tok, text, "snapkv").tokens == len(text)

@@ -98,7 +98,9 @@ def test_unsupported_model_type_is_refused(tmp_path):
 def test_a_misspelled_or_empty_key_is_refused_not_left_stock(additional):
     with pytest.raises(ValueError, match=r"^kvmerge: additional_config(\[\"kvmerge\"\] is None| has '.*', not 'kvmerge')"):
         settings_of(additional)
-    assert settings_of({"other_plugin": {"a": 1}}) is None and settings_of(None) is None
+    for other in ({"other_plugin": {"a": 1}}, {"merge": {}}, {"vmerge": {}}, {"kvmerge_v2": {}}, {"kvcache": {}}):
+        assert settings_of(other) is None  # another plugin's key: vLLM stays stock
+    assert settings_of(None) is None
 
 
 def test_every_registered_method_is_runnable_or_refused_with_a_reason():

@@ -50,16 +50,27 @@ class Settings:
         return get_method(self.method, self.budget)
 
 
+def _near_key(key: str) -> bool:
+    """Whether `key` is "kvmerge" mistyped: the same without case, "_" and "-", or one letter off and
+    starting with "kv" (another plugin's "merge" or "kvmerge_v2" is not)."""
+    k = key.lower().replace("_", "").replace("-", "")
+    if k == KEY:
+        return True
+    if not k.startswith("kv") or abs(len(k) - len(KEY)) > 1:
+        return False
+    if len(k) == len(KEY):
+        return sum(a != b for a, b in zip(k, KEY)) == 1
+    short, long = sorted((k, KEY), key=len)
+    return any(long[:i] + long[i + 1:] == short for i in range(len(long)))
+
+
 def settings_of(additional_config) -> Settings | None:
     """The plugin's settings from vLLM's `additional_config` (None: the plugin is off). A key spelled
     nearly as "kvmerge", or "kvmerge" set to None, is refused: either would leave vLLM stock without a word."""
     if not isinstance(additional_config, dict):
         return None
     if KEY not in additional_config:
-        import difflib
-
-        near = [k for k in additional_config if isinstance(k, str) and (
-            k.lower() == KEY or difflib.SequenceMatcher(None, k.lower(), KEY).ratio() >= 0.8)]
+        near = [k for k in additional_config if isinstance(k, str) and _near_key(k)]
         if near:
             raise ValueError(f"kvmerge: additional_config has {near[0]!r}, not {KEY!r}: the plugin reads only "
                              f'"{KEY}" (with {near[0]!r} it would stay off)')

@@ -51,10 +51,15 @@ def early_refusal(argv: list[str]) -> str | None:
         return f"{PREFIX} --additional-config is not valid JSON ({e}): {value!r}"
     if not isinstance(parsed, dict):
         return f"{PREFIX} --additional-config must be a JSON object like '{{\"kvmerge\": {{...}}}}', got {value!r}"
-    raw = parsed.get("kvmerge")
-    if raw is None:
-        return None
     from .config import refusal, settings_of
+
+    if "kvmerge" not in parsed or parsed["kvmerge"] is None:  # a near-miss key, or None: refused, else stock
+        try:
+            settings_of(parsed)
+        except ValueError as e:
+            return one_line(e)
+        return None
+    raw = parsed["kvmerge"]
 
     default = isinstance(raw, dict) and "method" not in raw  # the model's default, resolved with vLLM's config
     try:
