@@ -31,6 +31,7 @@ class ProgressBars:
         from tqdm import tqdm
 
         kind = "decode" if phase == "decode" else "prompt"
+        label = phase if kind == "decode" else f"prompt ({phase})"  # the clock is the whole prompt's
         if kind == "decode" and not self.decode:
             self._close_bar()
             return
@@ -38,11 +39,11 @@ class ProgressBars:
             if kind != self.kind:
                 self._close_bar(locked=True)
                 unit = "token" if kind == "decode" else "context token"
-                self.bar = tqdm(total=total, desc=phase, unit=unit, delay=self.delay, file=self.file, leave=True,
+                self.bar = tqdm(total=total, desc=label, unit=unit, delay=self.delay, file=self.file, leave=True,
                                 dynamic_ncols=True, mininterval=0.25)
                 self.kind = kind
-            if self.bar.desc != phase:
-                self.bar.set_description_str(phase, refresh=False)
+            if self.bar.desc != label:
+                self.bar.set_description_str(label, refresh=False)
             self.bar.update(max(0, round(done) - self.bar.n))
         if self._ticker is None:
             self._ticker = threading.Thread(target=self._tick, daemon=True)

@@ -412,3 +412,20 @@ def test_another_models_tokenizer_is_refused_by_its_ids(llama):
     for tok in (Other(1, 8), Other(None, 9), Other(1, 2), Other(1, 2, size=llama.config.vocab_size + 1),
                 Other(7, 8)):  # the last: one vocabulary, other special ids (a base model's instruct tokenizer)
         assert kvmerge.compress_context(llama, tok, text, "snapkv").tokens == len(text)
+
+
+def test_the_prompt_bar_names_its_phase_within_the_prompt():
+    """Prefill and compression share one bar and one clock: its label says the clock is the prompt's."""
+    import io
+
+    from kvmerge.progress import ProgressBars
+
+    out = io.StringIO()
+    bars = ProgressBars(delay=0, file=out)
+    bars("prefill", 10, 20)
+    bars("compress", 20, 20)
+    bars("decode", 1, 2)
+    bars.close()
+    shown = out.getvalue()
+    assert "prompt (prefill)" in shown and "prompt (compress)" in shown and "decode" in shown
+    assert "\rcompress" not in shown and not shown.startswith("compress")
