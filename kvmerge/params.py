@@ -43,7 +43,13 @@ def check_value(method: str, param: str, value, accepted: list[str] | None, defa
     words = [t for t in ok if not (t is int and float in ok)]  # "a number" covers whole numbers
     want = " or ".join(dict.fromkeys(_WORDS.get(t, t.__name__) for t in words))
     shown = "" if default is MISSING else f" (default {default})"
-    raise ParameterTypeError(f"{method}: parameter {param} must be {want}{shown}, got {value!r}")
+    hint = ""
+    if param == "budget" and isinstance(value, str):  # "25%", "0.25": what the command line takes
+        try:
+            hint = f": write budget={float(value.rstrip('%')) / (100 if value.endswith('%') else 1):g}"
+        except ValueError:
+            pass
+    raise ParameterTypeError(f"{method}: parameter {param} must be {want}{shown}, got {value!r}{hint}")
 
 
 def check_params(method) -> None:

@@ -371,6 +371,11 @@ def test_spaces_around_a_specs_parts_are_read_past_and_an_entry_budget_of_one_is
     assert kvmerge.get_method("snapkv: window=8:sinks =2").sinks == 2
     with pytest.raises(InputError, match=r"budget of 1 entries is below .*: budget=1.0 keeps every entry"):
         kvmerge.get_method("snapkv", budget=1)
+    with pytest.raises(InputError, match=r"budget of 25 entries is below .* \(for 25%, write 0.25\)"):
+        kvmerge.get_method("snapkv", budget=25)
+    for text, want in (("25%", "budget=0.25"), ("0.1", "budget=0.1")):  # the command line's spellings
+        with pytest.raises(ParameterTypeError, match=f"parameter budget must be a number .*got '{text}': write {want}$"):
+            kvmerge.get_method("snapkv", budget=text)
 
 
 def test_answer_questions_samples_each_answer_as_generate_would_alone(llama):
