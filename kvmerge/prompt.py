@@ -52,17 +52,20 @@ def check_tokenizer(tokenizer, call: str, model=None) -> None:
         size = len(tokenizer)
     except TypeError:
         size = None
-    ids = {}
+    if not size:
+        return
+    shared = []  # per special id both sides name: whether the tokenizer's is among the model's
     for name in ("bos_token_id", "eos_token_id"):
         own, theirs = getattr(tokenizer, name, None), getattr(config, name, None)
         theirs = set(theirs) if isinstance(theirs, (list, tuple)) else {theirs} - {None}
-        ids[name] = None if own is None or not theirs else own in theirs
-    why = (f"it has {size:,} ids, the model's vocabulary {config.vocab_size:,}" if size and size > 1.1 * config.vocab_size
-           else f"it has {size:,} ids, the model's vocabulary {config.vocab_size:,}, and neither its beginning- nor "
-           "its end-of-text id is the model's" if size and size < 0.9 * config.vocab_size and ids == dict.fromkeys(
-               ids, False) else None)
-    if why:
-        raise InputError(f"{call}: the tokenizer is not this model's ({why}): pass the tokenizer loaded with the model")
+        if own is not None and theirs:
+            shared.append(own in theirs)
+    why = f"it has {size:,} ids, the model's vocabulary {config.vocab_size:,}"
+    if size < 0.9 * config.vocab_size and len(shared) == 2 and not any(shared):
+        why += ", and neither its beginning- nor its end-of-text id is the model's"
+    elif size <= 1.1 * config.vocab_size:
+        return
+    raise InputError(f"{call}: the tokenizer is not this model's ({why}): pass the tokenizer loaded with the model")
 
 
 def split_prompt(tokenizer, context: str, question: str, chat_template: bool = True):

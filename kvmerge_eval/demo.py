@@ -18,6 +18,7 @@ def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int
 
     from kvmerge import generate_ids, get_method, load_model
     from kvmerge.defaults import default_method
+    from kvmerge.eval_commands import with_default
 
     from .niah import make_sample, score
     from .runner import prompt_ids
@@ -27,10 +28,11 @@ def run_demo(methods: list[str] | None = None, budget: float = 0.25, length: int
     built = {n: get_method(n, None if n == "full" else budget) for n in names if n != "default"}  # unknown names fail first
     console.print(f"Loading model {model_path or 'SmolLM2-135M-Instruct (bundled)'} ...")
     model, tok = load_model(model_path)
-    if methods is None or "default" in names:  # the method kvmerge generate would run on this model
+    if methods is None:  # the method kvmerge generate would run on this model, beside the others
+        names.append("default")
+    if "default" in names:
+        names = with_default(names, model)
         own = default_method(model)
-        names = [own if n == "default" else n for n in names] + ([own] if methods is None else [])
-        names = [n for i, n in enumerate(names) if n not in names[:i]]
         built.setdefault(own, get_method(own, budget))
     tasks = [make_sample(tok, length, depth=0.1 + 0.8 * i / max(samples - 1, 1), seed=i) for i in range(samples)]
     rows = []
