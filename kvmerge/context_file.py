@@ -32,6 +32,10 @@ class ContextFileError(KVMergeError, ValueError):
     """A compressed-context file that cannot be used here (corrupt, newer, another model...)."""
 
 
+class NotAContextError(ContextFileError):
+    """A file that is not a compressed context at all (text, or another safetensors file)."""
+
+
 class OtherModelError(ContextFileError):
     """A compressed-context file made for another model or tokenizer."""
 
@@ -110,7 +114,7 @@ def replaceable(path, what: str) -> bool:
     try:
         check_file(path)
     except (KVMergeError, OSError) as e:
-        ours = isinstance(e, ContextFileError) and "is not a compressed-context file" not in str(e)
+        ours = isinstance(e, ContextFileError) and not isinstance(e, NotAContextError)
         kind = (f"a compressed context this kvmerge cannot read ({one_line(str(e).removeprefix(f'{path} '))})" if ours
                 else "not a compressed context")
         raise InputError(f"{what}: it exists and is {kind}, which saving will not overwrite; give another name, or "
@@ -129,11 +133,11 @@ def check_file(path) -> dict:
     with path.open("rb") as f:
         start = f.read(9)
     if len(start) == 9 and start[8:9] != b"{":  # a safetensors file opens with its header's length, then JSON
-        raise ContextFileError(f"{path} is not a compressed-context file (kvmerge compress --out writes one; a text "
+        raise NotAContextError(f"{path} is not a compressed-context file (kvmerge compress --out writes one; a text "
                                "file goes to kvmerge generate --context)")
     head = _opened(path, lambda f: f.metadata() or {})
     if head.get("format") != FORMAT:
-        raise ContextFileError(f"{path} is not a compressed-context file (a safetensors file, but not one kvmerge "
+        raise NotAContextError(f"{path} is not a compressed-context file (a safetensors file, but not one kvmerge "
                                "compress --out wrote)")
     if not str(head.get("version", "")).isdigit():
         raise ContextFileError(f"{path} is damaged: its format version {head.get('version')!r} is not a number")
