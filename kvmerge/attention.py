@@ -135,7 +135,7 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, kvme
         raise ValueError("kvmerge attention builds its own mask; pass no 4D attention_mask "
                          "(for padded batches use kvmerge.generate)")
     q_len, kv_len = query.shape[2], key.shape[2]
-    if kvmerge_window is None and (kwargs.get("sliding_window") or kv_len) < kv_len:
+    if kvmerge_window is None and kvmerge_log_n is None and (kwargs.get("sliding_window") or kv_len) < kv_len:
         raise ValueError("a sliding-window layer under kvmerge attention needs a kvmerge cache (kvmerge.MergedCache "
                          "or kvmerge.compressing), which carries the positions its window mask needs")
     window_binds = kvmerge_window is not None and kv_len > kvmerge_window[0]

@@ -10,6 +10,7 @@ from transformers.cache_utils import Cache
 
 from .attention import attention_active
 from .errors import InputError
+from .graphs import GraphLayer
 from .layer import MergedLayer
 from .sliding import SlidingLayer, layer_windows
 
@@ -38,7 +39,7 @@ class MergedCache(Cache):
     @property
     def compressible(self) -> list[int]:
         """Indices of the full-attention layers, the ones a method compresses."""
-        return [i for i, layer in enumerate(self.layers) if not isinstance(layer, SlidingLayer)]
+        return [i for i, layer in enumerate(self.layers) if not getattr(layer, "is_sliding", False)]
 
     def update(self, key_states, value_states, layer_idx: int, kwargs: dict | None = None):
         """Append to layer `layer_idx`. Transformers passes the same `kwargs` dict on to the attention
@@ -58,7 +59,9 @@ class MergedCache(Cache):
             return self._update(layer, layer_idx, key_states, value_states, kwargs)
 
     def _update(self, layer, layer_idx, key_states, value_states, kwargs):
-        if isinstance(layer, SlidingLayer):
+        if isinstance(layer, GraphLayer):  # graph decoding: fixed shapes, a sliding window already in log_n
+            keys, values, log_n = layer.update(key_states, value_states)
+        elif isinstance(layer, SlidingLayer):
             keys, values, log_n, positions = layer.update(key_states, value_states, self.next_log_n,
                                                           kwargs.get("position_ids"))
             kwargs["kvmerge_window"] = (layer.window, positions, positions[:, -key_states.shape[2]:])

@@ -1,0 +1,213 @@
+"""Decoding steps of fixed shapes, so that a step is captured once as a CUDA graph and replayed.
+
+`GraphDecoder(session, steps)` turns each layer of the session's cache into a `GraphLayer`: keys and
+values `(batch, kv_heads, held + steps, head_dim)` and a log-mass `(batch, kv_heads, held + steps)`
+that is −inf on the slots not written yet. Every step then reads the same shapes and writes its token
+at slot `held + t`, `t` a counter on the device, so nothing in a step depends on a host value.
+Attention over the whole buffer with that log-mass equals attention over the slots written (an empty
+slot's weight is exp(−inf) = 0). A sliding-window layer keeps its slots' positions and adds −inf to the
+slots outside the window of the step's position. KV heads stored at their own lengths are read as
+their padded layout (empty slots −inf).
+
+On CUDA the step (the model's forward and the counters' advance) is captured once, after two warm-up
+steps whose writes are undone, and replayed; on other devices it runs eagerly, the same operators.
+`close()` writes the slots back into the session's own layers, which then hold the decoded tokens as
+if the session had fed them one by one.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .errors import InputError
+from .layer import MergedLayer
+from .ragged import LOG_N_DTYPE
+
+
+class GraphLayer(CacheLayerMixin):
+    """One layer's cache during graph decoding: `keys`/`values` `(b, h, capacity, d)`, `log_n`
+    `(b, h, capacity)` (−inf: empty), `held` slots filled before the first step, and for a sliding layer
+    `positions` `(b, capacity)` and its `window`. `step` `(1,)` and `query_pos` `(b, 1)` are the
+    decoder's counters, shared by every layer."""
+
+    ragged = False
+    is_compileable = False
+
+    def __init__(self, layer: MergedLayer, steps: int, step: torch.Tensor, query_pos: torch.Tensor):
+        super().__init__()
+        keys, values, log_n = layer.kv()
+        b, h, held, d = keys.shape
+        self.is_initialized, self.device, self.dtype = True, keys.device, keys.dtype
+        self.held, self.seen, self.packed = held, layer.seen, layer.ragged
+        self.window = getattr(layer, "window", None)
+        self.is_sliding = self.window is not None
+        self.keys = keys.new_zeros(b, h, held + steps, d)
+        self.values = values.new_zeros(b, h, held + steps, values.shape[-1])
+        self.log_n = torch.full((b, h, held + steps), float("-inf"), dtype=LOG_N_DTYPE, device=keys.device)
+        self.keys[:, :, :held], self.values[:, :, :held], self.log_n[:, :, :held] = keys, values, log_n
+        self.positions = None
+        if self.is_sliding:
+            self.positions = torch.zeros(b, held + steps, dtype=torch.long, device=keys.device)
+            self.positions[:, :held] = layer.positions.to(keys.device)
+        self.base = torch.tensor([held], device=keys.device)
+        self.step, self.query_pos = step, query_pos
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Write one token `(b, h, 1, d)` at slot `held + step`; → keys, values and the log-mass the
+        step attends with (a sliding layer's: −inf outside its window), all of the full capacity."""
+        at = self.base + self.step
+        self.keys.index_copy_(2, at, key_states)
+        self.values.index_copy_(2, at, value_states)
+        self.log_n.index_fill_(2, at, 0.0)
+        if not self.is_sliding:
+            return self.keys, self.values, self.log_n
+        self.positions.index_copy_(1, at, self.query_pos)
+        diff = self.query_pos - self.positions  # (b, capacity)
+        outside = (diff < 0) | (diff >= self.window)
+        return self.keys, self.values, self.log_n.masked_fill(outside[:, None], float("-inf"))
+
+    def undo(self) -> None:
+        """Empty every slot written since the first step (after warm-up or capture)."""
+        self.log_n[:, :, self.held:] = float("-inf")
+
+    def written_back(self, layer: MergedLayer, done: int) -> None:
+        """Install the held slots and the `done` decoded ones into `layer`, the one this replaced."""
+        n = self.held + done
+        layer.replace(self.keys[:, :, :n], self.values[:, :, :n], self.log_n[:, :, :n], fit=True)
+        layer.seen = self.seen + done
+        if self.is_sliding:
+            layer.positions = self.positions[:, :n].clone()
+            layer._drop_unheld()
+        elif self.packed:
+            layer.compact()
+
+    # what transformers' `Cache` asks of a layer
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    @property
+    def entries(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in (self.keys, self.values, self.log_n))
+
+    allocated_bytes = nbytes
+
+
+class GraphDecoder:
+    """Up to `steps` decoding steps of one token per row on `session`, each the same captured graph on
+    CUDA (`graph=None`: on CUDA; True: required; False: eager everywhere).
+
+        with GraphDecoder(session, steps=64) as decoder:
+            logits = decoder.step(next_ids)  # (batch, vocab), valid until the next step
+
+    The session's method must not run a decode policy (entries chosen while decoding need the host).
+    """
+
+    def __init__(self, session, steps: int, graph: bool | None = None):
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise InputError(f"steps must be a positive int (the most tokens to decode), got {steps!r}")
+        if session._decode_policy:
+            raise InputError(f"{session.method.name} chooses entries while decoding (a decode policy), which a "
+                             "captured step cannot run: decode it without a graph")
+        cache = session.cache
+        if any(isinstance(layer, GraphLayer) for layer in cache.layers):
+            raise InputError("this session's cache is already in a GraphDecoder: close that one first")
+        if cache.entries[0] == 0:
+            raise InputError("the session holds no tokens: prefill a prompt before decoding")
+        device = session.device
+        if graph and device.type != "cuda":
+            raise InputError(f"a CUDA graph needs the model on a CUDA device; it is on {device}")
+        self.session, self.steps, self.done = session, steps, 0
+        self.graph = device.type == "cuda" if graph is None else graph
+        batch = len(session.seen)
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.t = torch.zeros(1, dtype=torch.long, device=device)
+        self.start = session.seen[:, None].to(device)
+        self.pos = self.start.clone()
+        self.layers = list(cache.layers)
+        cache.layers = [GraphLayer(layer, steps, self.t, self.pos) for layer in self.layers]
+        for layer in self.layers:  # their slots now live in the static layers
+            layer.replace(*(x[:, :, :0] for x in layer.kv()), fit=True)
+        self._listener, cache.listener = cache.listener, None
+        self.logits = self._captured() if self.graph else None
+
+    def _forward(self) -> torch.Tensor:
+        from .attention import kvmerge_attention
+
+        with kvmerge_attention(self.session.model):
+            out = self.session.model(input_ids=self.ids, position_ids=self.pos, cache=self.session.cache,
+                                     use_cache=True, logits_to_keep=1)
+        self.t.add_(1)
+        self.pos.add_(1)
+        return out.logits[:, -1]
+
+    def _undo(self) -> None:
+        self.t.zero_()
+        self.pos.copy_(self.start)
+        for layer in self.session.cache.layers:
+            layer.undo()
+
+    def _captured(self) -> torch.Tensor:
+        """Warm up (kernels compiled, workspaces allocated) on a side stream, then capture one step."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward()
+        torch.cuda.current_stream().wait_stream(side)
+        self._undo()
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(self._graph):
+            logits = self._forward()
+        self._undo()
+        return logits
+
+    @torch.inference_mode()
+    def step(self, ids) -> torch.Tensor:
+        """Feed one token per row (`ids` `(batch,)`, a tensor or list); → the next-token logits
+        `(batch, vocab)`, a buffer the next step overwrites."""
+        if self.layers is None:
+            raise InputError("this GraphDecoder is closed")
+        if self.done == self.steps:
+            raise InputError(f"this GraphDecoder has room for {self.steps} steps, all taken: open one with more")
+        ids = torch.as_tensor(ids).reshape(-1, 1)
+        if ids.shape[0] != self.ids.shape[0]:
+            raise InputError(f"one token per row: the session has {self.ids.shape[0]} rows, got {ids.shape[0]} ids")
+        self.ids.copy_(ids)
+        if self.graph:
+            self._graph.replay()
+        else:
+            self.logits = self._forward()
+        self.done += 1
+        return self.logits
+
+    def close(self) -> None:
+        """The session's own layers back, holding the decoded tokens; the counters advanced."""
+        if self.layers is None:
+            return
+        session, cache = self.session, self.session.cache
+        for static, layer in zip(cache.layers, self.layers):
+            static.written_back(layer, self.done)
+        cache.layers, self.layers = self.layers, None
+        cache.listener = self._listener
+        session.fed(torch.full(session.seen.shape, self.done, dtype=torch.long))
+        self._graph = None
+
+    def __enter__(self) -> GraphDecoder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

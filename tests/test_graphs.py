@@ -1,0 +1,136 @@
+"""Graph decoding (`kvmerge.graphs.GraphDecoder`): fixed-shape steps equal the session's own decoding
+(tokens exactly, logits to rounding, the cache it leaves), every step runs the same operators on the
+same shapes with no value read back to the host (what a CUDA graph's capture needs), and misuse is
+refused. The CUDA rows replay a captured graph against the eager steps."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kvmerge
+from kvmerge.errors import InputError
+from kvmerge.graphs import GraphDecoder
+
+from .conftest import random_ids, tiny_model
+from .test_hybrid import gemma3
+
+STEPS = 12
+# reads of a tensor's value on the host: a CUDA graph cannot capture them
+HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default",
+              "aten.equal.default", "aten.item.default"}
+CASES = {  # name: (model, method, prompt lengths)
+    "full": (tiny_model, "full", (300, 250)),
+    "selected": (tiny_model, "snapkv", (300, 250)),
+    "merged": (tiny_model, "kmeans", (300, 250)),
+    "heads at their own lengths": (tiny_model, "snapkv:alloc=head", (300, 300)),
+    "hybrid, past the window": (gemma3, "snapkv", (300, 250)),
+}
+
+
+def prefilled(make_model, spec, lengths, device="cpu", dtype=torch.float32):
+    model = make_model().to(device, dtype)
+    session = kvmerge.Session(model, len(lengths), None if spec == "full" else kvmerge.get_method(spec, budget=0.25))
+    logits = session.prefill([random_ids(n, seed=i) for i, n in enumerate(lengths)])
+    return session, logits.argmax(-1)
+
+
+def decoded(session, first, graph=None):
+    """Greedy tokens `(steps, batch)` and logits `(steps, batch, vocab)`, then the logits of one more
+    token fed by the session itself (what the cache left behind answers)."""
+    tokens, logits, ids = [], [], first
+    with torch.inference_mode():
+        if graph is None:
+            for _ in range(STEPS):
+                logits.append(session.forward([[int(x)] for x in ids]))
+                ids = logits[-1].argmax(-1)
+                tokens.append(ids)
+        else:
+            with GraphDecoder(session, STEPS, graph=graph) as decoder:
+                for _ in range(STEPS):
+                    logits.append(decoder.step(ids).clone())
+                    ids = logits[-1].argmax(-1)
+                    tokens.append(ids)
+        after = session.forward([[5]] * len(ids))
+    return torch.stack(tokens), torch.stack(logits), after
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_graph_decoding_equals_the_sessions_own(case):
+    make_model, spec, lengths = CASES[case]
+    ref, first = prefilled(make_model, spec, lengths)
+    ragged = [layer.ragged for layer in ref.cache.layers]
+    merged = any(bool((layer.kv().log_n > 0).any()) for layer in ref.cache.layers)  # an entry for several tokens
+    assert merged == (spec == "kmeans") and any(ragged) == spec.endswith("alloc=head")
+    want = decoded(ref, first)
+    session, _ = prefilled(make_model, spec, lengths)
+    got = decoded(session, first, graph=False)
+    assert torch.equal(got[0], want[0])
+    assert torch.allclose(got[1], want[1], atol=1e-5, rtol=0)
+    assert torch.allclose(got[2], want[2], atol=1e-5, rtol=0)
+    assert session.cache.entries == ref.cache.entries and session.seen.tolist() == ref.seen.tolist()
+    assert [layer.ragged for layer in session.cache.layers] == ragged  # packed again where it was
+
+
+class Trace(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((str(func), tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", ["merged", "heads at their own lengths", "hybrid, past the window"])
+def test_every_step_runs_the_same_operators_without_reading_a_value_back(case):
+    make_model, spec, lengths = CASES[case]
+    session, first = prefilled(make_model, spec, lengths)
+    traces = []
+    with torch.inference_mode(), GraphDecoder(session, 3, graph=False) as decoder:
+        for _ in range(3):
+            with Trace() as trace:
+                decoder.step(first)
+            traces.append(trace.ops)
+    forward = [op for op in traces[0] if op[0] == "aten.embedding.default"]
+    assert len(forward) == 1 and len(traces[0]) > 50  # the model's forward was traced
+    assert traces[0] == traces[1] == traces[2]
+    assert not [op for op in traces[0] if op[0] in HOST_READS]
+
+
+def test_misuse_is_refused_with_the_reason():
+    session, first = prefilled(tiny_model, "snapkv", (300,))
+    for steps in (0, 2.0, True):
+        with pytest.raises(InputError, match="steps must be a positive int"):
+            GraphDecoder(session, steps)
+    with pytest.raises(InputError, match="needs the model on a CUDA device; it is on cpu"):
+        GraphDecoder(session, 4, graph=True)
+    with GraphDecoder(session, 2, graph=False) as decoder:
+        with pytest.raises(InputError, match="already in a GraphDecoder"):
+            GraphDecoder(session, 2)
+        with pytest.raises(InputError, match="one token per row: the session has 1 rows, got 2"):
+            decoder.step([1, 2])
+        decoder.step(first)
+        decoder.step(first)
+        with pytest.raises(InputError, match="room for 2 steps"):
+            decoder.step(first)
+    with pytest.raises(InputError, match="closed"):
+        decoder.step(first)
+    assert session.seen.tolist() == [302]
+    policy = kvmerge.Session(tiny_model(), 1, kvmerge.get_method("centroidkv", budget=0.25))
+    policy.prefill([random_ids(300)])
+    with pytest.raises(InputError, match="decode policy"):
+        GraphDecoder(policy, 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_a_replayed_cuda_graph_equals_the_eager_steps(case, dtype):
+    make_model, spec, lengths = CASES[case]
+    eager, first = prefilled(make_model, spec, lengths, "cuda", dtype)
+    want = decoded(eager, first, graph=False)
+    session, _ = prefilled(make_model, spec, lengths, "cuda", dtype)
+    got = decoded(session, first, graph=True)
+    assert torch.equal(got[0], want[0])
+    assert torch.allclose(got[1], want[1], atol=1e-4 if dtype == torch.float32 else 5e-2, rtol=0)
+    assert session.cache.entries == eager.cache.entries
