@@ -9,7 +9,8 @@ JSON line per configuration.
 * `model`: prefill, compression (and its ratio to the prefill), decode ms/token at batch 1 and at
   the largest batch whose cache fits in `--memory-gib` beside the weights, cache bytes and peak
   memory, for each method and budget at each context length, with the HBM floor of each decode
-  step: (weights + cache bytes) / `--hbm-tbs`.
+  step: (weights + cache bytes) / `--hbm-tbs`; and the same decode steps captured as a CUDA graph
+  (`kvmerge.graphs.GraphDecoder`, `graph_decode_ms_*`) beside the eager ones.
   `max_batch` is the largest batch that fits at that length: full against compressed is the capacity.
 * `profile`: the CUDA and CPU time of one batch-1 decode step, by operator (a text file).
 
@@ -250,6 +251,8 @@ def one_config(model, tok, ids, spec, budget, device, weight_bytes, args) -> dic
         floor = lambda batch: 1e3 * (weight_bytes + batch * row_bytes) / (args.hbm_tbs * 1e12)  # noqa: E731
         out["floor_ms_b1"] = sig(floor(1))
         out["b1_over_floor"] = sig(out["decode_ms_b1"] / out["floor_ms_b1"])
+        if not args.no_graph:
+            out.update(graph_decode(session, token, device, args.steps, "b1", out["floor_ms_b1"]))
         room = args.memory_gib * GIB - weight_bytes - 2 * GIB  # 2 GiB for activations
         batch = max(1, int(min(args.max_batch, room // session.cache.allocated_bytes)))
         out["max_batch"] = batch
@@ -261,9 +264,26 @@ def one_config(model, tok, ids, spec, budget, device, weight_bytes, args) -> dic
             out["floor_ms_bmax"] = sig(floor(batch))
             out["bmax_over_floor"] = sig(out["decode_ms_bmax"] / out["floor_ms_bmax"])
             out["tokens_per_s_bmax"] = sig(1e3 * batch / out["decode_ms_bmax"])
+            if not args.no_graph:
+                out.update(graph_decode(session, token, device, args.steps // 2 or 1, "bmax", out["floor_ms_bmax"]))
             if device.type == "cuda":
                 out["peak_gib_bmax"] = sig(torch.cuda.max_memory_allocated(device) / GIB)
     return out
+
+
+def graph_decode(session, token, device, steps: int, label: str, floor_ms: float) -> dict:
+    """Decode ms/step with `kvmerge.graphs.GraphDecoder` (a captured CUDA graph on CUDA; elsewhere its
+    fixed-shape steps run eagerly), beside the floor, and the seconds its capture took."""
+    from kvmerge.graphs import GraphDecoder
+
+    ids = torch.tensor([row[0] for row in token], device=device)
+    t0 = time.perf_counter()
+    with GraphDecoder(session, steps + 2) as decoder:
+        sync(device)
+        ready = time.perf_counter() - t0
+        ms = 1e3 * timed(lambda: decoder.step(ids), device, steps)
+    return {f"graph_decode_ms_{label}": sig(ms), f"{label}_graph_over_floor": sig(ms / floor_ms),
+            f"graph_ready_s_{label}": sig(ready), "graph": decoder.graph}
 
 
 def profile_step(model, tok, n, spec, budget, device, out_path: Path) -> None:
@@ -312,6 +332,7 @@ def main() -> None:
     p.add_argument("--memory-gib", type=float, default=100.0, help="weights + caches for the largest batch")
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("--no-batch", action="store_true", help="batch 1 only")
+    p.add_argument("--no-graph", action="store_true", help="no decode timing with kvmerge.graphs.GraphDecoder")
     p.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth for the floor (H200: 4.8 TB/s)")
     p.add_argument("--seconds", type=float, default=420, help="start no model configuration after this")
     p.add_argument("--parts", default="bandwidth,kernel,model,profile")

@@ -22,6 +22,6 @@ out = kvmerge.generate_ids(model, random_ids(200), [3, 4], kvmerge.get_method("s
 print("sanity:", torch.__version__, transformers.__version__, torch.cuda.get_device_name(), out.tokens)
 PY
 timeout "${TEST_SECONDS:-150}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow and not ci_slow" \
-    tests/test_cuda.py tests/test_baselines.py::test_every_method_batch_budget_and_dtype -k cuda 2>&1 \
+    tests/test_cuda.py tests/test_graphs.py tests/test_baselines.py::test_every_method_batch_budget_and_dtype -k cuda 2>&1 \
     | tee "$OUT/gpu_tests.txt" | tail -25
 timeout "${BENCH_SECONDS:-420}" python3 benchmarks/gpu_bench.py --out "$OUT/gpu.jsonl" "$@"
