@@ -13,6 +13,7 @@ JSON line per configuration.
   (`kvmerge.graphs.GraphDecoder`, `graph_decode_ms_*`) beside the eager ones.
   `max_batch` is the largest batch that fits at that length: full against compressed is the capacity.
 * `profile`: the CUDA and CPU time of one batch-1 decode step, by operator (a text file).
+* `profile-compress`: the same for one prefill and its compression with each `--profile-compress` method.
 
     python benchmarks/gpu_bench.py --out results/gpu.jsonl                    # the GPU machine, ~7 min
     python benchmarks/gpu_bench.py --shape tiny --device cpu --lengths 512 --out /tmp/gpu.jsonl   # smoke test
@@ -311,6 +312,33 @@ def profile_step(model, tok, n, spec, budget, device, out_path: Path) -> None:
     print(text[:3000], flush=True)
 
 
+def profile_compression(model, tok, n, spec, budget, device, out_path: Path) -> None:
+    """The operators of one batch-1 prefill and its compression with `spec`, by CPU time (where a
+    host-bound compression spends it) and by CUDA time: `kvmerge::compress` is the compression (a
+    surprisal pass runs before it), syncs show as `aten::_local_scalar_dense`."""
+    import kvmerge
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(100, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.inference_mode():
+        kvmerge.Session(model, 1, kvmerge.get_method(spec, budget), tok).prefill([ids[:1024]])  # warm-up
+        session = kvmerge.Session(model, 1, kvmerge.get_method(spec, budget), tok)
+        sync(device)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            session.prefill([ids])
+            sync(device)
+    t = session.timings
+    text = (f"one prefill and compression, {spec} at {budget}, {n} tokens, batch 1: prefill "
+            f"{t['prefill_seconds']:.3f} s, compression {t['compress_seconds']:.3f} s (under the profiler)\n\n"
+            "by CPU time\n\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+    if device.type == "cuda":
+        text += "\n\nby CUDA time\n\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+    with open(out_path, "a") as f:
+        f.write(text + "\n\n")
+    print(text[:3000], flush=True)
+
+
 def _write(path, row) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
@@ -335,7 +363,8 @@ def main() -> None:
     p.add_argument("--no-graph", action="store_true", help="no decode timing with kvmerge.graphs.GraphDecoder")
     p.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth for the floor (H200: 4.8 TB/s)")
     p.add_argument("--seconds", type=float, default=420, help="start no model configuration after this")
-    p.add_argument("--parts", default="bandwidth,kernel,model,profile")
+    p.add_argument("--parts", default="bandwidth,kernel,model,profile,profile-compress")
+    p.add_argument("--profile-compress", default="learnedzip,mixedmerge", help="methods whose compression is profiled")
     p.add_argument("--out", default="results/gpu.jsonl")
     args = p.parse_args()
     start = time.time()
@@ -358,7 +387,7 @@ def main() -> None:
         for row in kernel_rows(device, dtype, lengths, [int(x) for x in args.kernel_batches.split(",")], args.hbm_tbs,
                                args.flex_at):
             _write(args.out, row)
-    if "model" not in parts and "profile" not in parts:
+    if not {"model", "profile", "profile-compress"} & set(parts):
         return
     t0 = time.time()
     model = build_model(args.shape, device, dtype)
@@ -371,6 +400,12 @@ def main() -> None:
         try:
             profile_step(model, tok, min(lengths[1:2] or lengths), "snapkv", 0.25, device,
                          Path(args.out).with_name("gpu_profile.txt"))
+        except Exception:  # noqa: BLE001 - reported, the benchmark runs
+            traceback.print_exc()
+    for spec in args.profile_compress.split(",") if "profile-compress" in parts else []:
+        try:
+            profile_compression(model, tok, min(lengths[1:2] or lengths), spec, 0.25, device,
+                                Path(args.out).with_name("gpu_profile_compress.txt"))
         except Exception:  # noqa: BLE001 - reported, the benchmark runs
             traceback.print_exc()
     if "model" in parts:

@@ -254,7 +254,8 @@ class Session:
         # the counters copied: a method's second pass feeds the session and restores them
         view = View(self.seen.clone(), self.plain.clone(), self.captured.clone(), window, self.runtime.scaling,
                     token_rows, surprisal, running, layers=picked, model_layers=self.cache.layers, room=room)
-        compressed = compress_layers(method, self.runtime, layers, [self.states[i] for i in picked], view)
+        with torch.profiler.record_function("kvmerge::compress"):
+            compressed = compress_layers(method, self.runtime, layers, [self.states[i] for i in picked], view)
         for state in self.states:
             state.queries = None
         self.captured.zero_()
