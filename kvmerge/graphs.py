@@ -138,9 +138,9 @@ class GraphDecoder:
         self.start = session.seen[:, None].to(device)
         self.pos = self.start.clone()
         self.layers = list(cache.layers)
-        cache.layers = [GraphLayer(layer, steps, self.t, self.pos) for layer in self.layers]
-        for layer in self.layers:  # their slots now live in the static layers
-            layer.replace(*(x[:, :, :0] for x in layer.kv()), fit=True)
+        for i, layer in enumerate(self.layers):  # one layer at a time: at most one layer held twice
+            cache.layers[i] = static = GraphLayer(layer, steps, self.t, self.pos)
+            layer.replace(static.keys[:, :, :0], static.values[:, :, :0], None, fit=True)  # its slots moved
         self._listener, cache.listener = cache.listener, None
         self.logits = self._captured() if self.graph else None
 
@@ -199,12 +199,13 @@ class GraphDecoder:
         if self.layers is None:
             return
         session, cache = self.session, self.session.cache
-        for static, layer in zip(cache.layers, self.layers):
-            static.written_back(layer, self.done)
-        cache.layers, self.layers = self.layers, None
+        self._graph = self.logits = None
+        for i, layer in enumerate(self.layers):  # one layer at a time, as on the way in
+            cache.layers[i].written_back(layer, self.done)
+            cache.layers[i] = layer
+        self.layers = None
         cache.listener = self._listener
         session.fed(torch.full(session.seen.shape, self.done, dtype=torch.long))
-        self._graph = None
 
     def __enter__(self) -> GraphDecoder:
         return self
