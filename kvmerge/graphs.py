@@ -40,7 +40,8 @@ class GraphLayer(CacheLayerMixin):
         b, h, held, d = keys.shape
         self.is_initialized, self.device, self.dtype = True, keys.device, keys.dtype
         self.held, self.seen, self.packed = held, layer.seen, layer.ragged
-        self.window = getattr(layer, "window", None)
+        # a sliding layer holding fewer slots than its window (`sliding=`) sees only those and the step's own
+        self.window = min(layer.window, layer.held + 1) if getattr(layer, "is_sliding", False) else None
         self.is_sliding = self.window is not None
         self.keys = keys.new_zeros(b, h, held + steps, d)
         self.values = values.new_zeros(b, h, held + steps, values.shape[-1])
@@ -137,12 +138,19 @@ class GraphDecoder:
         self.t = torch.zeros(1, dtype=torch.long, device=device)
         self.start = session.seen[:, None].to(device)
         self.pos = self.start.clone()
-        self.layers = list(cache.layers)
-        for i, layer in enumerate(self.layers):  # one layer at a time: at most one layer held twice
-            cache.layers[i] = static = GraphLayer(layer, steps, self.t, self.pos)
-            layer.replace(static.keys[:, :, :0], static.values[:, :, :0], None, fit=True)  # its slots moved
+        self.layers, self.logits, self._graph = list(cache.layers), None, None
         self._listener, cache.listener = cache.listener, None
-        self.logits = self._captured() if self.graph else None
+        try:
+            for i, layer in enumerate(self.layers):  # one layer at a time: at most one layer held twice
+                cache.layers[i] = static = GraphLayer(layer, steps, self.t, self.pos)
+                layer.replace(static.keys[:, :, :0], static.values[:, :, :0], None, fit=True)  # its slots moved
+            session.peak_cache_bytes = max(session.peak_cache_bytes, cache.allocated_bytes)
+            if self.graph:
+                with torch.cuda.device(device):
+                    self._capture()
+        except BaseException:
+            self._restore(0)  # the session as it was
+            raise
 
     def _forward(self) -> torch.Tensor:
         from .attention import kvmerge_attention
@@ -152,7 +160,7 @@ class GraphDecoder:
                                      use_cache=True, logits_to_keep=1)
         self.t.add_(1)
         self.pos.add_(1)
-        return out.logits[:, -1]
+        return out.logits[:, -1].float()
 
     def _undo(self) -> None:
         self.t.zero_()
@@ -160,25 +168,26 @@ class GraphDecoder:
         for layer in self.session.cache.layers:
             layer.undo()
 
-    def _captured(self) -> torch.Tensor:
-        """Warm up (kernels compiled, workspaces allocated) on a side stream, then capture one step."""
+    def _capture(self) -> None:
+        """Warm up (kernels compiled, workspaces allocated) on a side stream, each warm-up step undone,
+        then capture one step; its logits buffer becomes `self.logits`."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(side):
             for _ in range(2):
                 self._forward()
+                self._undo()
         torch.cuda.current_stream().wait_stream(side)
-        self._undo()
         self._graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(self._graph):
-            logits = self._forward()
+            self.logits = self._forward()
         self._undo()
-        return logits
 
     @torch.inference_mode()
     def step(self, ids) -> torch.Tensor:
-        """Feed one token per row (`ids` `(batch,)`, a tensor or list); → the next-token logits
-        `(batch, vocab)`, a buffer the next step overwrites."""
+        """Feed one token per row (`ids` `(batch,)`, a tensor or list; on the model's device, no
+        transfer); → the next-token logits `(batch, vocab)` float32, one buffer that every step
+        overwrites (with or without a graph)."""
         if self.layers is None:
             raise InputError("this GraphDecoder is closed")
         if self.done == self.steps:
@@ -188,9 +197,12 @@ class GraphDecoder:
             raise InputError(f"one token per row: the session has {self.ids.shape[0]} rows, got {ids.shape[0]} ids")
         self.ids.copy_(ids)
         if self.graph:
-            self._graph.replay()
-        else:
+            with torch.cuda.device(self.ids.device):
+                self._graph.replay()
+        elif self.logits is None:
             self.logits = self._forward()
+        else:
+            self.logits.copy_(self._forward())
         self.done += 1
         return self.logits
 
@@ -198,14 +210,19 @@ class GraphDecoder:
         """The session's own layers back, holding the decoded tokens; the counters advanced."""
         if self.layers is None:
             return
-        session, cache = self.session, self.session.cache
+        self._restore(self.done)
+        self.session.fed(torch.full(self.session.seen.shape, self.done, dtype=torch.long))
+
+    def _restore(self, done: int) -> None:
+        """Each layer back in the cache with its held slots and `done` decoded ones, one at a time."""
+        cache = self.session.cache
         self._graph = self.logits = None
-        for i, layer in enumerate(self.layers):  # one layer at a time, as on the way in
-            cache.layers[i].written_back(layer, self.done)
-            cache.layers[i] = layer
+        for i, layer in enumerate(self.layers):
+            if isinstance(cache.layers[i], GraphLayer):
+                cache.layers[i].written_back(layer, done)
+                cache.layers[i] = layer
         self.layers = None
         cache.listener = self._listener
-        session.fed(torch.full(session.seen.shape, self.done, dtype=torch.long))
 
     def __enter__(self) -> GraphDecoder:
         return self

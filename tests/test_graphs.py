@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvmerge
 from kvmerge.errors import InputError
-from kvmerge.graphs import GraphDecoder
+from kvmerge.graphs import GraphDecoder, GraphLayer
 
 from .conftest import random_ids, tiny_model
 from .test_hybrid import gemma3
@@ -24,6 +24,7 @@ CASES = {  # name: (model, method, prompt lengths)
     "merged": (tiny_model, "kmeans", (300, 250)),
     "heads at their own lengths": (tiny_model, "snapkv:alloc=head", (300, 300)),
     "hybrid, past the window": (gemma3, "snapkv", (300, 250)),
+    "hybrid, sliding layers holding 3": (gemma3, "snapkv:window=4:sliding=3", (300,)),
 }
 
 
@@ -87,9 +88,10 @@ def test_every_step_runs_the_same_operators_without_reading_a_value_back(case):
     session, first = prefilled(make_model, spec, lengths)
     traces = []
     with torch.inference_mode(), GraphDecoder(session, 3, graph=False) as decoder:
+        decoder.ids.copy_(first[:, None])
         for _ in range(3):
             with Trace() as trace:
-                decoder.step(first)
+                decoder._forward()  # what a graph captures: the model's forward and the counters' advance
             traces.append(trace.ops)
     forward = [op for op in traces[0] if op[0] == "aten.embedding.default"]
     assert len(forward) == 1 and len(traces[0]) > 50  # the model's forward was traced
@@ -122,15 +124,47 @@ def test_misuse_is_refused_with_the_reason():
         GraphDecoder(policy, 4)
 
 
+def test_a_failure_on_the_way_in_leaves_the_session_as_it_was(monkeypatch):
+    ref, first = prefilled(gemma3, "snapkv", (300, 250))
+    session, _ = prefilled(gemma3, "snapkv", (300, 250))
+    built = []
+    real = GraphLayer.__init__
+
+    def fails_third(self, *args):
+        if len(built) == 2:
+            raise MemoryError("out of memory (simulated)")
+        built.append(real(self, *args))
+    monkeypatch.setattr(GraphLayer, "__init__", fails_third)
+    with pytest.raises(MemoryError):
+        GraphDecoder(session, 4)
+    monkeypatch.undo()
+    assert session.cache.listener is not None and session.cache.entries == ref.cache.entries
+    assert torch.equal(decoded(session, first, graph=False)[0], decoded(ref, first)[0])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
 def test_a_replayed_cuda_graph_equals_the_eager_steps(case, dtype):
     make_model, spec, lengths = CASES[case]
-    eager, first = prefilled(make_model, spec, lengths, "cuda", dtype)
-    want = decoded(eager, first, graph=False)
-    session, _ = prefilled(make_model, spec, lengths, "cuda", dtype)
-    got = decoded(session, first, graph=True)
-    assert torch.equal(got[0], want[0])
-    assert torch.allclose(got[1], want[1], atol=1e-4 if dtype == torch.float32 else 5e-2, rtol=0)
-    assert session.cache.entries == eager.cache.entries
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    runs = []
+    for graph in (None, False, True):  # the session's own steps, the fixed-shape ones eagerly, replayed
+        session, first = prefilled(make_model, spec, lengths, "cuda", dtype)
+        runs.append((decoded(session, first, graph=graph), session.cache.entries))
+    (want, entries), *others = runs
+    for got, got_entries in others:
+        assert torch.equal(got[0], want[0]) and got_entries == entries
+        assert torch.allclose(got[1], want[1], atol=tol, rtol=0)
+        assert torch.allclose(got[2], want[2], atol=tol, rtol=0)  # what the cache written back answers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_a_one_step_graph_on_cuda():
+    eager, first = prefilled(tiny_model, "snapkv", (300,), "cuda")
+    want = eager.forward([[int(first[0])]])
+    session, _ = prefilled(tiny_model, "snapkv", (300,), "cuda")
+    with torch.inference_mode(), GraphDecoder(session, 1) as decoder:
+        assert decoder.graph
+        got = decoder.step(first).clone()
+    assert torch.allclose(got, want, atol=1e-4, rtol=0) and session.seen.tolist() == eager.seen.tolist()
