@@ -27,6 +27,7 @@ _WHERE = {  # public name → the submodule that defines it
     "register": "methods",
     "CompressedContext": "context", "compress_context": "context", "load_context": "context",
     "check_supported": "model", "load_model": "model", "KV": "ops.kv", "Session": "session",
+    "GraphDecoder": "graphs",
 }
 
 __all__ = sorted([*_WHERE, "KVMergeError"])
