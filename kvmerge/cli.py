@@ -218,6 +218,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-chunk", type=_positive, default=None, metavar="N",
                      help="prefill and compress N tokens at a time (bounded memory; not every method) (default: "
                      "none, the whole context at once)")
+    gen.add_argument("--cuda-graph", action="store_true",
+                     help="decode by replaying one captured CUDA graph (a CUDA device; not for methods that choose "
+                     "entries while decoding)")
     gen.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
     comp = sub.add_parser("compress", help="compress a text file once into a .kvz file (kvmerge ask answers from it)",

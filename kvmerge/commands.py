@@ -207,6 +207,15 @@ def device(name: str | None) -> None:
         raise UnsupportedError(f"--device {name}: torch sees no CUDA GPU here; use --device cpu (or leave it out)")
 
 
+def graph_device(name: str | None) -> None:
+    """--cuda-graph: the model goes to a CUDA device (`name`, or the default where torch sees one)."""
+    import torch
+
+    if (name is None and not torch.cuda.is_available()) or (name is not None and torch.device(name).type != "cuda"):
+        raise UnsupportedError(f"--cuda-graph replays decoding steps on a CUDA GPU, and the model would run on "
+                               f"{name or 'cpu (torch sees no CUDA GPU here)'}: leave --cuda-graph out")
+
+
 # -- the commands ------------------------------------------------------------------------------
 def generate(args) -> int:
     text = read_text(args.context)
@@ -227,6 +236,8 @@ def generate(args) -> int:
 
         check_protected(min(CANDIDATES, key=lambda c: sum(protected(c))), args.budget, args.prefill_chunk)
     device(args.device)
+    if args.cuda_graph:
+        graph_device(args.device)
 
     from .generation import generate as run
     from .model import load_model
@@ -244,7 +255,8 @@ def generate(args) -> int:
         runs_here(m, args.model)
     bars = None if args.no_progress else ProgressBars(decode=not sys.stdout.isatty())
     out = run(model, tok, text, args.question, m, args.max_new_tokens, **sampling(args),
-              streamer=Streamer(tok, args.stop), prefill_chunk=args.prefill_chunk, progress=bars)
+              streamer=Streamer(tok, args.stop), prefill_chunk=args.prefill_chunk, progress=bars,
+              cuda_graph=args.cuda_graph)
     print(f"[{out.stats}]", file=sys.stderr)
     return 0
 

@@ -9,6 +9,7 @@ import torch
 
 from .cache import stock_cache_bytes
 from .errors import InputError, check_sampling, refusing
+from .graphs import GraphDecoder
 from .progress import bars_for
 from .prompt import validate
 from .stats import Stats
@@ -117,9 +118,23 @@ def cut_at_stop(text: str, stop: list[str]) -> str:
 
 
 def decode(session, logits, stats, max_new_tokens, eos_token_id=None, sampling=None, streamer=None,
-           stop=None, progress=None) -> GenerationOutput:
+           stop=None, progress=None, cuda_graph: bool = False) -> GenerationOutput:
     """Generate from `logits` `(batch, vocab)` on the session's cache until each row ends (an id of
-    `eos_token_id`, an int or ids, or `stop(row)`); `progress(phase, done, total)` per token."""
+    `eos_token_id`, an int or ids, or `stop(row)`); `progress(phase, done, total)` per token;
+    `cuda_graph`: the steps replay one captured CUDA graph (`kvmerge.graphs.GraphDecoder`)."""
+    t0 = session._clock()
+    graph = GraphDecoder(session, max_new_tokens - 1, graph=True) if cuda_graph and max_new_tokens > 1 else None
+    if graph is not None:
+        stats["graph_capture_seconds"] = session._clock() - t0
+    try:
+        return _decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop, progress,
+                       session.forward if graph is None else lambda rows: graph.step([r[0] for r in rows]))
+    finally:
+        if graph is not None:
+            graph.close()
+
+
+def _decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop, progress, forward):
     t0 = session._clock()
     choose = (sampling or Sampling()).chooser()
     ends = torch.tensor([] if eos_token_id is None else
@@ -139,7 +154,7 @@ def decode(session, logits, stats, max_new_tokens, eos_token_id=None, sampling=N
         done |= torch.isin(nxt, ends)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
-        logits = session.forward([[int(t)] for t in nxt])
+        logits = forward([[int(t)] for t in nxt])
     if streamer is not None:
         streamer.end()
     stats.update(decode_seconds=session._clock() - t0, new_tokens=[len(t) for t in tokens],

@@ -14,6 +14,7 @@ from .context import CompressedContext
 from .decoding import GenerationOutput, Sampling, cache_stats, cut_at_stop, decode, from_context, stop_strings, stopper
 from .defaults import resolve
 from .errors import InputError, ParameterTypeError, refusing
+from .graphs import refuse_graph
 from .methods import Method
 from .progress import bars_for, watching
 from .prompt import (check_context_text, check_model, check_questions, check_tokenizer, common_prefix, end_ids, is_ids,
@@ -26,7 +27,7 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
                  protocol: str = "agnostic", eos_token_id=None, tokenizer=None,
                  sampling: Sampling | None = None, streamer=None, stop=None,
                  prefill_chunk: int | None = None, progress=None,
-                 budget: float | int | None = None) -> GenerationOutput:
+                 budget: float | int | None = None, cuda_graph: bool = False) -> GenerationOutput:
     """Generation from token ids (one row, or a list of rows run as one padded batch); greedy unless
     `sampling` says otherwise. `streamer` (a transformers streamer: `put`, `end`) receives each new
     token of a single row; `stop(row_tokens) -> bool` ends a row early; `eos_token_id`: an id or ids
@@ -36,8 +37,9 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
     (`kvmerge.defaults.default_method`: learnedzip where it has learned-scorer weights, else mixedmerge,
     which needs `tokenizer`); `get_method("full")` keeps the whole cache. `budget`: what the cache
     keeps, a fraction in (0, 1] or a whole number of entries, with a method name or None (a `Method`
-    carries its own). Every check runs before the first forward pass. With a `tokenizer` that decodes,
-    `.text` holds each row's text (a str for one row given flat)."""
+    carries its own). `cuda_graph`: decode by replaying one captured CUDA graph (`kvmerge.GraphDecoder`;
+    a model on CUDA, a method without a decode policy). Every check runs before the first forward
+    pass. With a `tokenizer` that decodes, `.text` holds each row's text (a str for one row given flat)."""
     with refusing():
         check_model(model, "generate_ids(model, context_ids, question_ids, ...)")
         method, default = resolve(model, method, budget)
@@ -54,6 +56,10 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
             _check_tokenizer(method, tokenizer)
         if streamer is not None and len(contexts) > 1:
             raise InputError("a streamer takes a single row")
+        if not isinstance(cuda_graph, bool):
+            raise ParameterTypeError(f"cuda_graph must be True or False, got {cuda_graph!r}")
+        if cuda_graph:
+            refuse_graph(method, next(model.parameters()).device)
         session = Session(model, len(contexts), method, tokenizer)
     report = bars_for(progress)
     try:
@@ -63,7 +69,8 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
         stats = cache_stats(session, contexts, protocol)
         if protocol == "agnostic":
             logits = session.forward(questions, decoding=False)
-        out = decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop, report)
+        out = decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop, report,
+                     cuda_graph)
     finally:
         getattr(report, "close", lambda: None)()
     if hasattr(tokenizer, "decode"):  # the text of each row (a str for one row given flat)
@@ -181,12 +188,12 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
              protocol: str = "agnostic", chat_template: bool = True, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None,
              streamer=None, prefill_chunk: int | None = None, progress=None,
-             budget: float | int | None = None) -> GenerationOutput:
+             budget: float | int | None = None, cuda_graph: bool = False) -> GenerationOutput:
     """Answer `question` about `context` (strings, or equal-length lists run as one batch). Greedy by
     default; `temperature` > 0 samples (with `top_k`, `top_p`, `seed`). Each row stops at the end of
     its turn (the tokenizer's eos and, with a chat template, its end-of-turn token) or after the first
     of the `stop` strings (cut from the text); `streamer` gets a single row's tokens as they come (e.g.
-    `transformers.TextStreamer(tokenizer)`); `prefill_chunk`, `progress`: see `generate_ids`.
+    `transformers.TextStreamer(tokenizer)`); `prefill_chunk`, `progress`, `cuda_graph`: see `generate_ids`.
 
     `method`: a `Method`, a name or a spec (`"snapkv:window=8"`); None compresses with the default for
     this model (`kvmerge.defaults.default_method`: learnedzip where the model has learned-scorer
@@ -233,7 +240,8 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
     stopped = stopper(tokenizer, stop)
     out = generate_ids(model, [p[0] for p in pairs], [p[1] for p in pairs], method, max_new_tokens, protocol,
                        eos_token_id=end_ids(tokenizer, chat_template), tokenizer=tokenizer, sampling=sampling,
-                       streamer=streamer, stop=stopped, prefill_chunk=prefill_chunk, progress=progress, budget=budget)
+                       streamer=streamer, stop=stopped, prefill_chunk=prefill_chunk, progress=progress, budget=budget,
+                       cuda_graph=cuda_graph)
     texts = [cut_at_stop(tokenizer.decode(t, skip_special_tokens=True), stop).strip() for t in out.tokens]
     out.text = texts[0] if single else texts
     if single:

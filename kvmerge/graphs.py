@@ -25,6 +25,16 @@ from .layer import MergedLayer
 from .ragged import LOG_N_DTYPE
 
 
+def refuse_graph(method, device: torch.device | None = None) -> None:
+    """An InputError where decoding steps cannot be captured: `method` chooses entries while decoding
+    (a decode policy, which needs the host), or `device`, where given, is not a CUDA device."""
+    if method is not None and method.needs.decode_policy:
+        raise InputError(f"{method.name} chooses entries while decoding (a decode policy), which a captured "
+                         "step cannot run: decode it without a graph")
+    if device is not None and device.type != "cuda":
+        raise InputError(f"a CUDA graph needs the model on a CUDA device; it is on {device}")
+
+
 class GraphLayer(CacheLayerMixin):
     """One layer's cache during graph decoding: `keys`/`values` `(b, h, capacity, d)`, `log_n`
     `(b, h, capacity)` (−inf: empty), `held` slots filled before the first step, and for a sliding layer
@@ -120,17 +130,13 @@ class GraphDecoder:
     def __init__(self, session, steps: int, graph: bool | None = None):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise InputError(f"steps must be a positive int (the most tokens to decode), got {steps!r}")
-        if session._decode_policy:
-            raise InputError(f"{session.method.name} chooses entries while decoding (a decode policy), which a "
-                             "captured step cannot run: decode it without a graph")
+        device = session.device
+        refuse_graph(session.method, device if graph else None)
         cache = session.cache
         if any(isinstance(layer, GraphLayer) for layer in cache.layers):
             raise InputError("this session's cache is already in a GraphDecoder: close that one first")
         if cache.entries[0] == 0:
             raise InputError("the session holds no tokens: prefill a prompt before decoding")
-        device = session.device
-        if graph and device.type != "cuda":
-            raise InputError(f"a CUDA graph needs the model on a CUDA device; it is on {device}")
         self.session, self.steps, self.done = session, steps, 0
         self.graph = device.type == "cuda" if graph is None else graph
         batch = len(session.seen)

@@ -142,6 +142,31 @@ def test_a_failure_on_the_way_in_leaves_the_session_as_it_was(monkeypatch):
     assert torch.equal(decoded(session, first, graph=False)[0], decoded(ref, first)[0])
 
 
+def test_generate_with_cuda_graph_refuses_before_any_forward():
+    model, calls = tiny_model(), []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    ids, question = random_ids(300), random_ids(5, seed=9)
+    with pytest.raises(InputError, match="needs the model on a CUDA device; it is on cpu"):
+        kvmerge.generate_ids(model, ids, question, "snapkv", cuda_graph=True)
+    with pytest.raises(InputError, match="centroidkv chooses entries while decoding"):
+        kvmerge.generate_ids(model, ids, question, "centroidkv", cuda_graph=True)
+    with pytest.raises(kvmerge.KVMergeError, match="cuda_graph must be True or False"):
+        kvmerge.generate_ids(model, ids, question, "snapkv", cuda_graph="yes")
+    assert not calls
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+@pytest.mark.parametrize("spec", ["snapkv", "kmeans", "learnedzip"])
+def test_generate_with_a_cuda_graph_answers_as_without(spec):
+    model = tiny_model().cuda()
+    rows, questions = [random_ids(300), random_ids(250, seed=1)], [random_ids(5, seed=9)] * 2
+    if spec == "learnedzip":
+        rows = [random_ids(300), random_ids(300, seed=1)]
+    plain = kvmerge.generate_ids(model, rows, questions, spec, max_new_tokens=12)
+    graph = kvmerge.generate_ids(model, rows, questions, spec, max_new_tokens=12, cuda_graph=True)
+    assert graph.tokens == plain.tokens and graph.stats["graph_capture_seconds"] > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES)
