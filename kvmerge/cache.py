@@ -60,7 +60,9 @@ class MergedCache(Cache):
 
     def _update(self, layer, layer_idx, key_states, value_states, kwargs):
         if isinstance(layer, GraphLayer):  # graph decoding: fixed shapes, a sliding window already in log_n
-            keys, values, log_n = layer.update(key_states, value_states)
+            keys, values, log_n, heads = layer.update(key_states, value_states)
+            if heads is not None:
+                kwargs["kvmerge_heads"] = heads
         elif isinstance(layer, SlidingLayer):
             keys, values, log_n, positions = layer.update(key_states, value_states, self.next_log_n,
                                                           kwargs.get("position_ids"))

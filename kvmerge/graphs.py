@@ -49,7 +49,7 @@ class GraphLayer(CacheLayerMixin):
         keys, values, log_n = layer.kv()
         b, h, held, d = keys.shape
         self.is_initialized, self.device, self.dtype = True, keys.device, keys.dtype
-        self.held, self.seen, self.packed = held, layer.seen, layer.ragged
+        self.held, self.seen = held, layer.seen
         # a sliding layer holding fewer slots than its window (`sliding=`) sees only those and the step's own
         self.window = min(layer.window, layer.held + 1) if getattr(layer, "is_sliding", False) else None
         self.is_sliding = self.window is not None
@@ -66,17 +66,22 @@ class GraphLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """Write one token `(b, h, 1, d)` at slot `held + step`; → keys, values and the log-mass the
-        step attends with (a sliding layer's: −inf outside its window), all of the full capacity."""
+        step attends with (a sliding layer's: −inf outside its window), all of the full capacity, and
+        None (no packed heads)."""
         at = self.base + self.step
         self.keys.index_copy_(2, at, key_states)
         self.values.index_copy_(2, at, value_states)
         self.log_n.index_fill_(2, at, 0.0)
         if not self.is_sliding:
-            return self.keys, self.values, self.log_n
+            return self.keys, self.values, self.log_n, None
         self.positions.index_copy_(1, at, self.query_pos)
         diff = self.query_pos - self.positions  # (b, capacity)
         outside = (diff < 0) | (diff >= self.window)
-        return self.keys, self.values, self.log_n.masked_fill(outside[:, None], float("-inf"))
+        return self.keys, self.values, self.log_n.masked_fill(outside[:, None], float("-inf")), None
+
+    def emptied(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values `(b, h, 0, d)`: what the replaced layer holds meanwhile."""
+        return self.keys[:, :, :0], self.values[:, :, :0]
 
     def undo(self) -> None:
         """Empty every slot written since the first step (after warm-up or capture)."""
@@ -90,8 +95,6 @@ class GraphLayer(CacheLayerMixin):
         if self.is_sliding:
             layer.positions = self.positions[:, :n].clone()
             layer._drop_unheld()
-        elif self.packed:
-            layer.compact()
 
     # what transformers' `Cache` asks of a layer
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -115,6 +118,71 @@ class GraphLayer(CacheLayerMixin):
         return sum(x.numel() * x.element_size() for x in (self.keys, self.values, self.log_n))
 
     allocated_bytes = nbytes
+
+
+class PackedGraphLayer(GraphLayer):
+    """A layer whose KV heads are stored at their own lengths (`kvmerge.ragged`), during graph decoding:
+    each head's segment of the packed buffers `(b, Σ capacity, d)` holds its slots and `steps` empty
+    ones (log-mass −inf), read by `ragged_sdpa` one head at a time at fixed shapes, with no padding
+    to the longest head."""
+
+    def __init__(self, layer: MergedLayer, steps: int, step: torch.Tensor, query_pos: torch.Tensor):
+        CacheLayerMixin.__init__(self)
+        pk, pv, pl, spans = layer.packed()
+        device, b = pk.device, pk.shape[0]
+        self.is_initialized, self.device, self.dtype = True, device, pk.dtype
+        self.seen, self.window, self.is_sliding, self.positions = layer.seen, None, False, None
+        self.lens = [n for _, n in spans]
+        caps = [n + steps for n in self.lens]
+        starts = [sum(caps[:i]) for i in range(len(caps))]
+        self.spans = tuple(zip(starts, caps))
+        self.live, self.kept = layer._live, layer._kept  # the padded layout's map, unchanged by appends
+        src = torch.cat([torch.arange(s, s + n) for s, n in spans]).to(device)
+        self.held_at = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, self.lens)]).to(device)
+        self.future = torch.cat([torch.arange(s + n, s + c) for s, n, c in zip(starts, self.lens, caps)]).to(device)
+        self.keys = pk.new_zeros(b, sum(caps), pk.shape[-1]).index_copy_(1, self.held_at, pk.index_select(1, src))
+        self.values = pv.new_zeros(b, sum(caps), pv.shape[-1]).index_copy_(1, self.held_at, pv.index_select(1, src))
+        self.log_n = torch.full((b, sum(caps)), float("-inf"), dtype=LOG_N_DTYPE, device=device)
+        self.log_n.index_copy_(1, self.held_at, pl.index_select(1, src) if pl is not None
+                               else torch.zeros(b, len(src), dtype=LOG_N_DTYPE, device=device))
+        self.base = torch.tensor([s + n for s, n in zip(starts, self.lens)], device=device)  # (h,)
+        self.step, self.query_pos = step, query_pos
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Write one token `(b, h, 1, d)` at each head's slot `start + held + step`; → the step's keys and
+        values, no dense log-mass, and the packed heads `ragged_sdpa` reads."""
+        b, h, _, d = key_states.shape
+        at = self.base + self.step
+        self.keys.index_copy_(1, at, key_states.reshape(b, h, d))
+        self.values.index_copy_(1, at, value_states.reshape(b, h, value_states.shape[-1]))
+        self.log_n.index_fill_(1, at, 0.0)
+        return key_states, value_states, None, (self.keys, self.values, self.log_n, self.spans)
+
+    def emptied(self) -> tuple[torch.Tensor, torch.Tensor]:
+        h = len(self.spans)
+        return tuple(x[:, None, :0].expand(x.shape[0], h, 0, x.shape[-1]).contiguous() for x in (self.keys, self.values))
+
+    def undo(self) -> None:
+        self.log_n.index_fill_(1, self.future, float("-inf"))
+
+    def written_back(self, layer: MergedLayer, done: int) -> None:
+        lens = tuple(n + done for n in self.lens)
+        at = torch.cat([torch.arange(s, s + n) for (s, _), n in zip(self.spans, lens)]).to(self.keys.device)
+        log_n = self.log_n.index_select(1, at)
+        layer._set_packed(self.keys.index_select(1, at), self.values.index_select(1, at),
+                          None if bool((log_n == 0).all()) else log_n, lens)
+        layer._live, layer._kept = self.live, self.kept
+        layer.seen = self.seen + done
+
+    def get_max_length(self) -> int:
+        return max(c for _, c in self.spans)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_max_length(), 0
+
+    @property
+    def entries(self) -> int:
+        return self.get_max_length()
 
 
 class GraphDecoder:
@@ -148,8 +216,9 @@ class GraphDecoder:
         self._listener, cache.listener = cache.listener, None
         try:
             for i, layer in enumerate(self.layers):  # one layer at a time: at most one layer held twice
-                cache.layers[i] = static = GraphLayer(layer, steps, self.t, self.pos)
-                layer.replace(static.keys[:, :, :0], static.values[:, :, :0], None, fit=True)  # its slots moved
+                cache.layers[i] = static = (PackedGraphLayer if layer.ragged else GraphLayer)(layer, steps, self.t,
+                                                                                             self.pos)
+                layer.replace(*static.emptied(), None, fit=True)  # its slots moved
             session.peak_cache_bytes = max(session.peak_cache_bytes, cache.allocated_bytes)
             if self.graph:
                 with torch.cuda.device(device):

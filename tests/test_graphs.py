@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvmerge
 from kvmerge.errors import InputError
-from kvmerge.graphs import GraphDecoder, GraphLayer
+from kvmerge.graphs import GraphDecoder, GraphLayer, PackedGraphLayer
 
 from .conftest import random_ids, tiny_model
 from .test_hybrid import gemma3
@@ -70,6 +70,18 @@ def test_graph_decoding_equals_the_sessions_own(case):
     assert torch.allclose(got[2], want[2], atol=1e-5, rtol=0)
     assert session.cache.entries == ref.cache.entries and session.seen.tolist() == ref.seen.tolist()
     assert [layer.ragged for layer in session.cache.layers] == ragged  # packed again where it was
+
+
+def test_heads_at_their_own_lengths_stay_packed_while_decoding():
+    session, first = prefilled(tiny_model, "snapkv:alloc=head", (300, 300))
+    layer, steps = session.cache.layers[0], 4
+    rows, d, lens = layer.keys.shape[0], layer.keys.shape[-1], layer._lens
+    assert len(set(lens)) > 1  # the heads hold different counts
+    slot = rows * (2 * d * 4 + 4)  # keys, values and log-mass of one slot, float32, every row
+    with torch.inference_mode(), GraphDecoder(session, steps, graph=False):
+        static = session.cache.layers[0]
+        assert isinstance(static, PackedGraphLayer)
+        assert static.nbytes == sum(n + steps for n in lens) * slot < len(lens) * (max(lens) + steps) * slot
 
 
 class Trace(TorchDispatchMode):
