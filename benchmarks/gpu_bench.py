@@ -75,6 +75,14 @@ class CharTokenizer:
         return " ".join(map(str, ids))
 
 
+# datasheet HBM bandwidth (TB/s) by a part of the device's name, first match; others: the H200's
+HBM_TBS = [("H200", 4.8), ("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("A100", 2.0)]
+
+
+def hbm_tbs(gpu: str) -> float:
+    return next((tbs for part, tbs in HBM_TBS if part in gpu), 4.8)
+
+
 def sig(x: float) -> float:
     """`x` to 4 significant digits."""
     return float(f"{x:.4g}")
@@ -305,11 +313,13 @@ def main() -> None:
     p.add_argument("--kernel-batches", default="1,8")
     p.add_argument("--flex-at", type=int, default=32768, help="the kernel slots at which FlexAttention is compiled")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed (median)")
-    p.add_argument("--memory-gib", type=float, default=100.0, help="weights + caches for the largest batch")
+    p.add_argument("--memory-gib", type=float, default=None,
+                   help="weights + caches for the largest batch (default: 72%% of the GPU's memory, 100 on an H200)")
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("--no-batch", action="store_true", help="batch 1 only")
     p.add_argument("--no-graph", action="store_true", help="no decode timing with kvmerge.graphs.GraphDecoder")
-    p.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth for the floor (H200: 4.8 TB/s)")
+    p.add_argument("--hbm-tbs", type=float, default=None,
+                   help="HBM bandwidth for the floor (default: the GPU's datasheet figure, `HBM_TBS`)")
     p.add_argument("--seconds", type=float, default=420, help="start no model configuration after this")
     p.add_argument("--parts", default="bandwidth,kernel,model,profile,profile-compress")
     p.add_argument("--profile-compress", default="learnedzip,mixedmerge", help="methods whose compression is profiled")
@@ -320,8 +330,13 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     parts = args.parts.split(",")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    head = {"kind": "machine", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "shape": args.shape}
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if args.memory_gib is None:
+        args.memory_gib = 0.72 * torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else 8
+    if args.hbm_tbs is None:
+        args.hbm_tbs = hbm_tbs(gpu)
+    head = {"kind": "machine", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "gpu": gpu,
+            "shape": args.shape, "memory_gib": sig(args.memory_gib), "hbm_tbs": args.hbm_tbs}
     import transformers
 
     head["transformers"] = transformers.__version__
