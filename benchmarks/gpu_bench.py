@@ -75,12 +75,12 @@ class CharTokenizer:
         return " ".join(map(str, ids))
 
 
-# datasheet HBM bandwidth (TB/s) by a part of the device's name, first match; others: the H200's
+# datasheet HBM bandwidth (TB/s) by a part of the device's name, first match
 HBM_TBS = [("H200", 4.8), ("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("A100", 2.0)]
 
 
-def hbm_tbs(gpu: str) -> float:
-    return next((tbs for part, tbs in HBM_TBS if part in gpu), 4.8)
+def hbm_tbs(gpu: str) -> float | None:
+    return next((tbs for part, tbs in HBM_TBS if part in gpu), None)
 
 
 def sig(x: float) -> float:
@@ -260,11 +260,11 @@ def one_config(model, tok, ids, spec, budget, device, weight_bytes, args) -> dic
         floor = lambda batch: 1e3 * (weight_bytes + batch * row_bytes) / (args.hbm_tbs * 1e12)  # noqa: E731
         out["floor_ms_b1"] = sig(floor(1))
         out["b1_over_floor"] = sig(out["decode_ms_b1"] / out["floor_ms_b1"])
-        if not args.no_graph:
-            out.update(graph_decode(session, token, device, args.steps, "b1", out["floor_ms_b1"]))
         room = args.memory_gib * GIB - weight_bytes - 2 * GIB  # 2 GiB for activations
         batch = max(1, int(min(args.max_batch, room // session.cache.allocated_bytes)))
         out["max_batch"] = batch
+        if not args.no_graph:
+            out.update(graph_decode(session, token, device, args.steps, "b1", out["floor_ms_b1"]))
         if batch > 1 and not args.no_batch:
             session.repeat_rows(batch)
             session.reserve(args.steps + 4)
@@ -273,10 +273,10 @@ def one_config(model, tok, ids, spec, budget, device, weight_bytes, args) -> dic
             out["floor_ms_bmax"] = sig(floor(batch))
             out["bmax_over_floor"] = sig(out["decode_ms_bmax"] / out["floor_ms_bmax"])
             out["tokens_per_s_bmax"] = sig(1e3 * batch / out["decode_ms_bmax"])
-            if not args.no_graph:
-                out.update(graph_decode(session, token, device, args.steps // 2 or 1, "bmax", out["floor_ms_bmax"]))
             if device.type == "cuda":
                 out["peak_gib_bmax"] = sig(torch.cuda.max_memory_allocated(device) / GIB)
+            if not args.no_graph:
+                out.update(graph_decode(session, token, device, args.steps // 2 or 1, "bmax", out["floor_ms_bmax"]))
     return out
 
 
@@ -289,10 +289,10 @@ def graph_decode(session, token, device, steps: int, label: str, floor_ms: float
     t0 = time.perf_counter()
     with GraphDecoder(session, steps + 2) as decoder:
         sync(device)
-        ready = time.perf_counter() - t0
+        capture = time.perf_counter() - t0
         ms = 1e3 * timed(lambda: decoder.step(ids), device, steps)
     return {f"graph_decode_ms_{label}": sig(ms), f"{label}_graph_over_floor": sig(ms / floor_ms),
-            f"graph_ready_s_{label}": sig(ready), "graph": decoder.graph}
+            f"graph_capture_s_{label}": sig(capture), "graph": decoder.graph}
 
 
 def _write(path, row) -> None:
@@ -334,7 +334,9 @@ def main() -> None:
     if args.memory_gib is None:
         args.memory_gib = 0.72 * torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else 8
     if args.hbm_tbs is None:
-        args.hbm_tbs = hbm_tbs(gpu)
+        args.hbm_tbs = 4.8 if device.type != "cuda" else hbm_tbs(gpu)  # a CPU smoke test: an H200's
+        if args.hbm_tbs is None:
+            raise SystemExit(f"no HBM bandwidth known for {gpu}: give --hbm-tbs")
     head = {"kind": "machine", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "gpu": gpu,
             "shape": args.shape, "memory_gib": sig(args.memory_gib), "hbm_tbs": args.hbm_tbs}
     import transformers
@@ -367,6 +369,7 @@ def main() -> None:
                          Path(args.out).with_name("gpu_profile.txt"))
         except Exception:  # noqa: BLE001 - reported, the benchmark runs
             traceback.print_exc()
+    Path(args.out).with_name("gpu_profile_compress.txt").unlink(missing_ok=True)  # this run's profiles only
     for spec in args.profile_compress.split(",") if "profile-compress" in parts else []:
         try:
             profile_compression(model, tok, min(lengths[1:2] or lengths), spec, 0.25, device,

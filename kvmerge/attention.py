@@ -111,17 +111,18 @@ def ragged_sdpa(query, keys, values, log_n, spans, scaling=None):
 
 def proportional_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                            is_causal=None, kvmerge_log_n=None, kvmerge_listener=None, kvmerge_window=None,
-                           kvmerge_heads=None, **kwargs):
+                           kvmerge_heads=None, kvmerge_masked=False, **kwargs):
     """Registered as transformers attention `"kvmerge"`. `kvmerge_log_n` `(b, hkv, s)`,
     `kvmerge_window` (a sliding layer's window and positions), `kvmerge_heads` (a layer whose KV heads
-    have their own lengths: `MergedLayer.packed()`, see `ragged_sdpa`) and `kvmerge_listener` `(layer_idx, fn)` come from
-    `MergedCache.update`; with another cache all are None and this is stock causal SDPA."""
+    have their own lengths: `MergedLayer.packed()`, see `ragged_sdpa`), `kvmerge_listener` `(layer_idx, fn)`
+    and `kvmerge_masked` (the log-mass carries every mask, a sliding window included: graph decoding) come
+    from `MergedCache.update`; with another cache all are None and this is stock causal SDPA."""
     with torch.profiler.record_function("kvmerge::attention"), fused_kernels(query.device):
         if kvmerge_heads is not None:
             out = ragged_sdpa(query, *kvmerge_heads, scaling)
         else:
             out = _attention(module, query, key, value, attention_mask, dropout, scaling, kvmerge_log_n,
-                             kvmerge_window, **kwargs)
+                             kvmerge_window, kvmerge_masked, **kwargs)
     if kvmerge_listener is not None:
         layer_idx, listener = kvmerge_listener
         with torch.profiler.record_function("kvmerge::listener"):
@@ -130,12 +131,12 @@ def proportional_attention(module, query, key, value, attention_mask, dropout=0.
 
 
 def _attention(module, query, key, value, attention_mask, dropout, scaling, kvmerge_log_n, kvmerge_window,
-               **kwargs):
+               kvmerge_masked=False, **kwargs):
     if attention_mask is not None:
         raise ValueError("kvmerge attention builds its own mask; pass no 4D attention_mask "
                          "(for padded batches use kvmerge.generate)")
     q_len, kv_len = query.shape[2], key.shape[2]
-    if kvmerge_window is None and kvmerge_log_n is None and (kwargs.get("sliding_window") or kv_len) < kv_len:
+    if kvmerge_window is None and not kvmerge_masked and (kwargs.get("sliding_window") or kv_len) < kv_len:
         raise ValueError("a sliding-window layer under kvmerge attention needs a kvmerge cache (kvmerge.MergedCache "
                          "or kvmerge.compressing), which carries the positions its window mask needs")
     window_binds = kvmerge_window is not None and kv_len > kvmerge_window[0]

@@ -36,6 +36,11 @@ class MergedCache(Cache):
         self.listener: Callable[[int, torch.Tensor], None] | None = None
         self.block_ended = False  # set when the `kvmerge.compressing` block that made this cache ends
 
+    def check_free(self) -> None:
+        """An InputError while a `GraphDecoder` holds this cache (its layers are the decoder's until it closes)."""
+        if any(isinstance(layer, GraphLayer) for layer in self.layers):
+            raise InputError("this session's cache is in a GraphDecoder: close it (leave its `with` block) first")
+
     @property
     def compressible(self) -> list[int]:
         """Indices of the full-attention layers, the ones a method compresses."""
@@ -60,7 +65,11 @@ class MergedCache(Cache):
 
     def _update(self, layer, layer_idx, key_states, value_states, kwargs):
         if isinstance(layer, GraphLayer):  # graph decoding: fixed shapes, a sliding window already in log_n
+            if key_states.shape[2] != 1:
+                raise InputError("this cache is in a GraphDecoder, which feeds one token per row at a time: "
+                                 "close it before feeding more")
             keys, values, log_n, heads = layer.update(key_states, value_states)
+            kwargs["kvmerge_masked"] = True
             if heads is not None:
                 kwargs["kvmerge_heads"] = heads
         elif isinstance(layer, SlidingLayer):

@@ -231,6 +231,10 @@ def generate(args) -> int:
         check_budget_given(spec, args.budget)
         m = method(spec, args.budget, args.prefill_chunk)
         runs_here(m, args.model)
+        if args.cuda_graph:
+            from .graphs import refuse_graph
+
+            refuse_graph(m)
     else:  # the default is known once the model loads: what every candidate refuses is refused now
         from .defaults import CANDIDATES
 

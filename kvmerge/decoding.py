@@ -123,19 +123,23 @@ def decode(session, logits, stats, max_new_tokens, eos_token_id=None, sampling=N
     `eos_token_id`, an int or ids, or `stop(row)`); `progress(phase, done, total)` per token;
     `cuda_graph`: the steps replay one captured CUDA graph (`kvmerge.graphs.GraphDecoder`)."""
     t0 = session._clock()
-    graph = GraphDecoder(session, max_new_tokens - 1, graph=True) if cuda_graph and max_new_tokens > 1 else None
-    if graph is not None:
+    decoder = GraphDecoder(session, max_new_tokens - 1, graph=True) if cuda_graph and max_new_tokens > 1 else None
+    if decoder is not None:
         stats["graph_capture_seconds"] = session._clock() - t0
-    try:
-        return _decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop, progress,
-                       session.forward if graph is None else lambda rows: graph.step([r[0] for r in rows]))
-    finally:
-        if graph is not None:
-            graph.close()
-
-
-def _decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop, progress, forward):
     t0 = session._clock()
+    try:
+        tokens = _tokens(logits, max_new_tokens, eos_token_id, sampling, streamer, stop, progress,
+                         session.forward if decoder is None else lambda rows: decoder.step([r[0] for r in rows]))
+    finally:
+        if decoder is not None:
+            decoder.close()
+    stats.update(decode_seconds=session._clock() - t0, new_tokens=[len(t) for t in tokens],
+                 final_cache_bytes=session.cache.nbytes, **session.method.stats)
+    return GenerationOutput(tokens=tokens, stats=Stats(stats))
+
+
+def _tokens(logits, max_new_tokens, eos_token_id, sampling, streamer, stop, progress, forward) -> list[list[int]]:
+    """Each row's new tokens, chosen from `logits` and then from `forward(rows)`'s, one token a step."""
     choose = (sampling or Sampling()).chooser()
     ends = torch.tensor([] if eos_token_id is None else
                         [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), dtype=torch.long)
@@ -157,7 +161,5 @@ def _decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, stre
         logits = forward([[int(t)] for t in nxt])
     if streamer is not None:
         streamer.end()
-    stats.update(decode_seconds=session._clock() - t0, new_tokens=[len(t) for t in tokens],
-                 final_cache_bytes=session.cache.nbytes, **session.method.stats)
-    return GenerationOutput(tokens=tokens, stats=Stats(stats))
+    return tokens
 

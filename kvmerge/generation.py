@@ -38,8 +38,8 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
     which needs `tokenizer`); `get_method("full")` keeps the whole cache. `budget`: what the cache
     keeps, a fraction in (0, 1] or a whole number of entries, with a method name or None (a `Method`
     carries its own). `cuda_graph`: decode by replaying one captured CUDA graph (`kvmerge.GraphDecoder`;
-    a model on CUDA, a method without a decode policy). Every check runs before the first forward
-    pass. With a `tokenizer` that decodes, `.text` holds each row's text (a str for one row given flat)."""
+    a model on one CUDA device, a method without a decode policy; each step reads every layer's slots
+    plus room for `max_new_tokens`). Every check runs before the first forward pass. With a `tokenizer` that decodes, `.text` holds each row's text (a str for one row given flat)."""
     with refusing():
         check_model(model, "generate_ids(model, context_ids, question_ids, ...)")
         method, default = resolve(model, method, budget)
@@ -59,13 +59,13 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
         if not isinstance(cuda_graph, bool):
             raise ParameterTypeError(f"cuda_graph must be True or False, got {cuda_graph!r}")
         if cuda_graph:
-            refuse_graph(method, next(model.parameters()).device)
+            refuse_graph(method, model)
         session = Session(model, len(contexts), method, tokenizer)
     report = bars_for(progress)
     try:
         with watching(session, report, max(map(len, contexts))):
             logits = session.prefill(contexts, window, prefill_chunk)
-        session.reserve(max(len(q) for q in questions) + max_new_tokens)
+        session.reserve(max(len(q) for q in questions) + (0 if cuda_graph else max_new_tokens))  # a graph: its own
         stats = cache_stats(session, contexts, protocol)
         if protocol == "agnostic":
             logits = session.forward(questions, decoding=False)

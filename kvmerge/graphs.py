@@ -1,13 +1,13 @@
 """Decoding steps of fixed shapes, so that a step is captured once as a CUDA graph and replayed.
 
 `GraphDecoder(session, steps)` turns each layer of the session's cache into a `GraphLayer`: keys and
-values `(batch, kv_heads, held + steps, head_dim)` and a log-mass `(batch, kv_heads, held + steps)`
+values `(batch, kv_heads, filled + steps, head_dim)` and a log-mass `(batch, kv_heads, filled + steps)`
 that is −inf on the slots not written yet. Every step then reads the same shapes and writes its token
-at slot `held + t`, `t` a counter on the device, so nothing in a step depends on a host value.
+at slot `filled + t`, `t` a counter on the device, so no step needs a value from the host.
 Attention over the whole buffer with that log-mass equals attention over the slots written (an empty
 slot's weight is exp(−inf) = 0). A sliding-window layer keeps its slots' positions and adds −inf to the
-slots outside the window of the step's position. KV heads stored at their own lengths are read as
-their padded layout (empty slots −inf).
+slots outside the window of the step's position. KV heads stored at their own lengths stay packed
+(`PackedGraphLayer`: each head's segment gets its empty slots).
 
 On CUDA the step (the model's forward and the counters' advance) is captured once, after two warm-up
 steps whose writes are undone, and replayed; on other devices it runs eagerly, the same operators.
@@ -20,24 +20,32 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .errors import InputError
+from .errors import InputError, UnsupportedError
 from .layer import MergedLayer
 from .ragged import LOG_N_DTYPE
 
 
-def refuse_graph(method, device: torch.device | None = None) -> None:
-    """An InputError where decoding steps cannot be captured: `method` chooses entries while decoding
-    (a decode policy, which needs the host), or `device`, where given, is not a CUDA device."""
+def refuse_graph(method, model=None) -> None:
+    """An InputError where decoding steps cannot be captured as a CUDA graph: `method` chooses entries
+    while decoding (a decode policy, which needs the host), or `model`, where given, is not on one
+    CUDA device."""
     if method is not None and method.needs.decode_policy:
         raise InputError(f"{method.name} chooses entries while decoding (a decode policy), which a captured "
-                         "step cannot run: decode it without a graph")
-    if device is not None and device.type != "cuda":
+                         "step cannot run: decode it without a CUDA graph")
+    if model is None:
+        return
+    devices = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+    if len(devices) > 1:
+        raise InputError(f"a CUDA graph captures one device's work, and this model is spread over {len(devices)} "
+                         f"({', '.join(sorted(devices))}): decode it without a CUDA graph")
+    device = next(model.parameters()).device
+    if device.type != "cuda":
         raise InputError(f"a CUDA graph needs the model on a CUDA device; it is on {device}")
 
 
 class GraphLayer(CacheLayerMixin):
     """One layer's cache during graph decoding: `keys`/`values` `(b, h, capacity, d)`, `log_n`
-    `(b, h, capacity)` (−inf: empty), `held` slots filled before the first step, and for a sliding layer
+    `(b, h, capacity)` (−inf: empty), `filled` slots before the first step, and for a sliding layer
     `positions` `(b, capacity)` and its `window`. `step` `(1,)` and `query_pos` `(b, 1)` are the
     decoder's counters, shared by every layer."""
 
@@ -47,25 +55,25 @@ class GraphLayer(CacheLayerMixin):
     def __init__(self, layer: MergedLayer, steps: int, step: torch.Tensor, query_pos: torch.Tensor):
         super().__init__()
         keys, values, log_n = layer.kv()
-        b, h, held, d = keys.shape
+        b, h, filled, d = keys.shape
         self.is_initialized, self.device, self.dtype = True, keys.device, keys.dtype
-        self.held, self.seen = held, layer.seen
+        self.filled, self.seen = filled, layer.seen
         # a sliding layer holding fewer slots than its window (`sliding=`) sees only those and the step's own
         self.window = min(layer.window, layer.held + 1) if getattr(layer, "is_sliding", False) else None
         self.is_sliding = self.window is not None
-        self.keys = keys.new_zeros(b, h, held + steps, d)
-        self.values = values.new_zeros(b, h, held + steps, values.shape[-1])
-        self.log_n = torch.full((b, h, held + steps), float("-inf"), dtype=LOG_N_DTYPE, device=keys.device)
-        self.keys[:, :, :held], self.values[:, :, :held], self.log_n[:, :, :held] = keys, values, log_n
+        self.keys = keys.new_zeros(b, h, filled + steps, d)
+        self.values = values.new_zeros(b, h, filled + steps, values.shape[-1])
+        self.log_n = torch.full((b, h, filled + steps), float("-inf"), dtype=LOG_N_DTYPE, device=keys.device)
+        self.keys[:, :, :filled], self.values[:, :, :filled], self.log_n[:, :, :filled] = keys, values, log_n
         self.positions = None
         if self.is_sliding:
-            self.positions = torch.zeros(b, held + steps, dtype=torch.long, device=keys.device)
-            self.positions[:, :held] = layer.positions.to(keys.device)
-        self.base = torch.tensor([held], device=keys.device)
+            self.positions = torch.zeros(b, filled + steps, dtype=torch.long, device=keys.device)
+            self.positions[:, :filled] = layer.positions.to(keys.device)
+        self.base = torch.tensor([filled], device=keys.device)
         self.step, self.query_pos = step, query_pos
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Write one token `(b, h, 1, d)` at slot `held + step`; → keys, values and the log-mass the
+        """Write one token `(b, h, 1, d)` at slot `filled + step`; → keys, values and the log-mass the
         step attends with (a sliding layer's: −inf outside its window), all of the full capacity, and
         None (no packed heads)."""
         at = self.base + self.step
@@ -85,16 +93,18 @@ class GraphLayer(CacheLayerMixin):
 
     def undo(self) -> None:
         """Empty every slot written since the first step (after warm-up or capture)."""
-        self.log_n[:, :, self.held:] = float("-inf")
+        self.log_n[:, :, self.filled:] = float("-inf")
 
     def written_back(self, layer: MergedLayer, done: int) -> None:
-        """Install the held slots and the `done` decoded ones into `layer`, the one this replaced."""
-        n = self.held + done
+        """Install the filled slots and the `done` decoded ones into `layer`, the one this replaced (a
+        sliding layer: the slots it would hold had it decoded them itself)."""
+        n = self.filled + done
         layer.replace(self.keys[:, :, :n], self.values[:, :, :n], self.log_n[:, :, :n], fit=True)
         layer.seen = self.seen + done
         if self.is_sliding:
             layer.positions = self.positions[:, :n].clone()
             layer._drop_unheld()
+            layer.replace(layer.keys, layer.values, layer.log_n, fit=True)  # own buffers of the slots kept
 
     # what transformers' `Cache` asks of a layer
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -126,6 +136,8 @@ class PackedGraphLayer(GraphLayer):
     ones (log-mass −inf), read by `ragged_sdpa` one head at a time at fixed shapes, with no padding
     to the longest head."""
 
+    ragged = True
+
     def __init__(self, layer: MergedLayer, steps: int, step: torch.Tensor, query_pos: torch.Tensor):
         CacheLayerMixin.__init__(self)
         pk, pv, pl, spans = layer.packed()
@@ -138,18 +150,18 @@ class PackedGraphLayer(GraphLayer):
         self.spans = tuple(zip(starts, caps))
         self.live, self.kept = layer._live, layer._kept  # the padded layout's map, unchanged by appends
         src = torch.cat([torch.arange(s, s + n) for s, n in spans]).to(device)
-        self.held_at = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, self.lens)]).to(device)
+        self.filled_at = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, self.lens)]).to(device)
         self.future = torch.cat([torch.arange(s + n, s + c) for s, n, c in zip(starts, self.lens, caps)]).to(device)
-        self.keys = pk.new_zeros(b, sum(caps), pk.shape[-1]).index_copy_(1, self.held_at, pk.index_select(1, src))
-        self.values = pv.new_zeros(b, sum(caps), pv.shape[-1]).index_copy_(1, self.held_at, pv.index_select(1, src))
+        self.keys = pk.new_zeros(b, sum(caps), pk.shape[-1]).index_copy_(1, self.filled_at, pk.index_select(1, src))
+        self.values = pv.new_zeros(b, sum(caps), pv.shape[-1]).index_copy_(1, self.filled_at, pv.index_select(1, src))
         self.log_n = torch.full((b, sum(caps)), float("-inf"), dtype=LOG_N_DTYPE, device=device)
-        self.log_n.index_copy_(1, self.held_at, pl.index_select(1, src) if pl is not None
+        self.log_n.index_copy_(1, self.filled_at, pl.index_select(1, src) if pl is not None
                                else torch.zeros(b, len(src), dtype=LOG_N_DTYPE, device=device))
         self.base = torch.tensor([s + n for s, n in zip(starts, self.lens)], device=device)  # (h,)
         self.step, self.query_pos = step, query_pos
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Write one token `(b, h, 1, d)` at each head's slot `start + held + step`; → the step's keys and
+        """Write one token `(b, h, 1, d)` at each head's slot `start + filled + step`; → the step's keys and
         values, no dense log-mass, and the packed heads `ragged_sdpa` reads."""
         b, h, _, d = key_states.shape
         at = self.base + self.step
@@ -199,7 +211,7 @@ class GraphDecoder:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise InputError(f"steps must be a positive int (the most tokens to decode), got {steps!r}")
         device = session.device
-        refuse_graph(session.method, device if graph else None)
+        refuse_graph(session.method, session.model if graph else None)
         cache = session.cache
         if any(isinstance(layer, GraphLayer) for layer in cache.layers):
             raise InputError("this session's cache is already in a GraphDecoder: close that one first")
@@ -254,8 +266,12 @@ class GraphDecoder:
                 self._undo()
         torch.cuda.current_stream().wait_stream(side)
         self._graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self._graph):
-            self.logits = self._forward()
+        try:
+            with torch.inference_mode(), torch.cuda.graph(self._graph):
+                self.logits = self._forward()
+        except RuntimeError as e:  # e.g. a value read on the host inside this model's forward
+            raise UnsupportedError(f"this model's decoding step cannot be captured as a CUDA graph ({str(e)[:200]}): "
+                                   "decode it without a CUDA graph") from e
         self._undo()
 
     @torch.inference_mode()
@@ -289,15 +305,17 @@ class GraphDecoder:
         self.session.fed(torch.full(self.session.seen.shape, self.done, dtype=torch.long))
 
     def _restore(self, done: int) -> None:
-        """Each layer back in the cache with its held slots and `done` decoded ones, one at a time."""
+        """Each layer back in the cache with its filled slots and `done` decoded ones, one at a time."""
         cache = self.session.cache
         self._graph = self.logits = None
-        for i, layer in enumerate(self.layers):
-            if isinstance(cache.layers[i], GraphLayer):
-                cache.layers[i].written_back(layer, done)
-                cache.layers[i] = layer
-        self.layers = None
-        cache.listener = self._listener
+        try:
+            for i, layer in enumerate(self.layers):
+                if isinstance(cache.layers[i], GraphLayer):
+                    cache.layers[i].written_back(layer, done)
+                    cache.layers[i] = layer
+        finally:
+            self.layers = None
+            cache.listener = self._listener
 
     def __enter__(self) -> GraphDecoder:
         return self

@@ -70,6 +70,7 @@ class Session:
 
     def _feed(self, rows, decoding=True, all_logits=False, capture=0, hidden=False):
         """→ (logits, final hidden states `(b, width, d)` if `hidden`, ids `(b, width)`, padding mask)."""
+        self.cache.check_free()
         lengths = torch.tensor([len(r) for r in rows])
         width = int(lengths.max())
         pad = torch.arange(width)[None, :] < (width - lengths)[:, None]
@@ -209,6 +210,7 @@ class Session:
         layer)` right after each full-attention layer's attention with its post-RoPE queries
         `(b, hq, width, d)` and the layer holding the new keys last; then forget the feed: the cache
         and every counter are as before (appends never write below a layer's filled length)."""
+        self.cache.check_free()
         marks = [_fields(layer) for layer in self.cache.layers]
         counters = self.seen.clone(), self.plain.clone(), self.captured.clone(), self.memo
         self._probe = listener
@@ -241,6 +243,7 @@ class Session:
         (chunked prefill): the target is `method.running_target` of the tokens seen so far, and methods
         see the ids of the plain tokens not yet compressed only (`ctx.token_ids`); `room`: the slots the
         next chunk appends."""
+        self.cache.check_free()
         method, picked = self.method, self.cache.compressible
         if self.before_compress is not None:
             self.before_compress()
@@ -266,11 +269,13 @@ class Session:
     def snapshot(self):
         """A copy of the cache and request state (the cache's buffers are written in place, so copied).
         Its `memo` is shared by every restore of it: what one method computes there, the next reuses."""
+        self.cache.check_free()
         layers = [_fields(layer, clone=True) for layer in self.cache.layers]
         states = _copied_states(self.states)
         return (self.seen.clone(), self.plain.clone(), self.captured.clone(), self.memo), layers, states
 
     def restore(self, snapshot) -> None:
+        self.cache.check_free()
         (seen, plain, captured, self.memo), layers, states = snapshot
         self.seen, self.plain, self.captured = seen.clone(), plain.clone(), captured.clone()
         for layer, fields in zip(self.cache.layers, layers):
@@ -279,11 +284,13 @@ class Session:
 
     def reserve(self, extra: int) -> None:
         """Room for `extra` more slots in every full-attention layer, so that many appends copy nothing."""
+        self.cache.check_free()
         for i in self.cache.compressible:
             self.cache.layers[i].reserve(self.cache.layers[i].entries + extra)
 
     def repeat_rows(self, repeats: int) -> None:
         """Every row repeated `repeats` times (cache, positions and targets)."""
+        self.cache.check_free()
         self.cache.batch_repeat_interleave(repeats)
         for state in self.states:
             if state.targets is not None:

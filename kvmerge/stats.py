@@ -13,9 +13,10 @@ class Stats(dict):
     `cache_entries` (one per layer: the most any row holds), `cache_bytes` and `full_cache_bytes`
     (the whole cache against what transformers' own would hold), `compressed_layers_bytes` and
     `compressed_layers_full_bytes` (the layers the budget applies to), `prefill_seconds`,
-    `compress_seconds`, `decode_seconds`, `new_tokens` (one per row), `final_cache_bytes`, and what the
-    method reports of itself. An answer from a compressed context has no prefill or compress seconds of
-    its own: `compressed_before` holds those of its compression."""
+    `compress_seconds`, `decode_seconds`, `graph_capture_seconds` (with `cuda_graph`), `new_tokens` (one
+    per row), `final_cache_bytes`, and what the method reports of itself. An answer from a compressed
+    context has no prefill or compress seconds of its own: `compressed_before` holds those of its
+    compression."""
 
     @property
     def layers(self) -> list[int]:

@@ -3,12 +3,17 @@
 same shapes with no value read back to the host (what a CUDA graph's capture needs), and misuse is
 refused. The CUDA rows replay a captured graph against the eager steps."""
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvmerge
-from kvmerge.errors import InputError
+import kvmerge.decoding
+import kvmerge.generation
+from kvmerge import graphs
+from kvmerge.errors import InputError, UnsupportedError
 from kvmerge.graphs import GraphDecoder, GraphLayer, PackedGraphLayer
 
 from .conftest import random_ids, tiny_model
@@ -17,7 +22,8 @@ from .test_hybrid import gemma3
 STEPS = 12
 # reads of a tensor's value on the host: a CUDA graph cannot capture them
 HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default",
-              "aten.equal.default", "aten.item.default"}
+              "aten.equal.default", "aten.item.default", "aten.masked_select.default", "aten._unique2.default",
+              "aten.unique_consecutive.default", "aten.repeat_interleave.Tensor", "aten.nonzero_static.default"}
 CASES = {  # name: (model, method, prompt lengths)
     "full": (tiny_model, "full", (300, 250)),
     "selected": (tiny_model, "snapkv", (300, 250)),
@@ -79,10 +85,13 @@ def test_heads_at_their_own_lengths_stay_packed_while_decoding():
     rows, d, lens = layer.keys.shape[0], layer.keys.shape[-1], layer._lens
     assert len(set(lens)) > 1  # the heads hold different counts
     slot = rows * (2 * d * 4 + 4)  # keys, values and log-mass of one slot, float32, every row
-    with torch.inference_mode(), GraphDecoder(session, steps, graph=False):
-        static = session.cache.layers[0]
-        assert isinstance(static, PackedGraphLayer)
-        assert static.nbytes == sum(n + steps for n in lens) * slot < len(lens) * (max(lens) + steps) * slot
+    with torch.inference_mode(), GraphDecoder(session, steps, graph=False) as decoder:
+        fixed = session.cache.layers[0]
+        for _ in range(steps):
+            decoder.step(first)
+        assert isinstance(fixed, PackedGraphLayer)
+        assert fixed.nbytes == sum(n + steps for n in lens) * slot < len(lens) * (max(lens) + steps) * slot
+    assert layer.ragged and layer._lens == tuple(n + steps for n in lens)
 
 
 class Trace(TorchDispatchMode):
@@ -155,6 +164,49 @@ def test_a_failure_on_the_way_in_leaves_the_session_as_it_was(monkeypatch):
     assert torch.equal(decoded(session, first, graph=False)[0], decoded(ref, first)[0])
 
 
+def test_a_failed_capture_leaves_the_session_as_it_was(monkeypatch):
+    ref, first = prefilled(tiny_model, "snapkv:alloc=head", (300, 300))
+    session, _ = prefilled(tiny_model, "snapkv:alloc=head", (300, 300))
+
+    def fails(self):
+        raise UnsupportedError("this model's decoding step cannot be captured (simulated)")
+    monkeypatch.setattr(graphs, "refuse_graph", lambda *_: None)  # as if on CUDA
+    monkeypatch.setattr(torch.cuda, "device", lambda _: contextlib.nullcontext())
+    monkeypatch.setattr(GraphDecoder, "_capture", fails)
+    with pytest.raises(UnsupportedError, match="cannot be captured"):
+        GraphDecoder(session, 4, graph=True)
+    monkeypatch.undo()
+    assert [layer.ragged for layer in session.cache.layers] == [layer.ragged for layer in ref.cache.layers]
+    assert torch.equal(decoded(session, first, graph=False)[0], decoded(ref, first)[0])
+
+
+def test_the_session_is_refused_while_a_decoder_holds_its_cache():
+    session, first = prefilled(tiny_model, "snapkv", (300,))
+    with torch.inference_mode(), GraphDecoder(session, 2, graph=False):
+        for use in (lambda: session.forward([[1]]), session.snapshot, lambda: session.reserve(4),
+                    lambda: session.repeat_rows(2), lambda: session.compress()):
+            with pytest.raises(InputError, match="in a GraphDecoder: close it"):
+                use()
+    session.forward([[1]])  # closed: the session's own again
+
+
+def test_generate_with_cuda_graph_decodes_through_the_decoder(monkeypatch):
+    """The wiring of `generate_ids(..., cuda_graph=True)`, its fixed-shape steps run eagerly on the CPU."""
+    opened = []
+
+    class Eager(GraphDecoder):
+        def __init__(self, session, steps, graph=None):
+            opened.append(steps)
+            super().__init__(session, steps, graph=False)
+    monkeypatch.setattr(kvmerge.generation, "refuse_graph", lambda *_: None)
+    monkeypatch.setattr(kvmerge.decoding, "GraphDecoder", Eager)
+    model, rows, questions = tiny_model(), [random_ids(300), random_ids(250, seed=1)], [random_ids(5, seed=9)] * 2
+    plain = kvmerge.generate_ids(model, rows, questions, "kmeans", max_new_tokens=10, eos_token_id=7)
+    graph = kvmerge.generate_ids(model, rows, questions, "kmeans", max_new_tokens=10, eos_token_id=7, cuda_graph=True)
+    assert opened == [9] and graph.tokens == plain.tokens and "graph_capture_seconds" in graph.stats
+    assert graph.stats["final_cache_bytes"] == plain.stats["final_cache_bytes"]
+
+
 def test_generate_with_cuda_graph_refuses_before_any_forward():
     model, calls = tiny_model(), []
     model.register_forward_pre_hook(lambda *_: calls.append(1))
@@ -190,11 +242,14 @@ def test_a_replayed_cuda_graph_equals_the_eager_steps(case, dtype):
     for graph in (None, False, True):  # the session's own steps, the fixed-shape ones eagerly, replayed
         session, first = prefilled(make_model, spec, lengths, "cuda", dtype)
         runs.append((decoded(session, first, graph=graph), session.cache.entries))
-    (want, entries), *others = runs
-    for got, got_entries in others:
-        assert torch.equal(got[0], want[0]) and got_entries == entries
-        assert torch.allclose(got[1], want[1], atol=tol, rtol=0)
-        assert torch.allclose(got[2], want[2], atol=tol, rtol=0)  # what the cache written back answers
+    (own, own_entries), (eager, entries), (replayed, replayed_entries) = runs
+    assert torch.equal(replayed[0], eager[0]) and replayed_entries == entries == own_entries  # the same kernels
+    assert torch.allclose(replayed[1], eager[1], atol=tol, rtol=0)
+    assert torch.allclose(replayed[2], eager[2], atol=tol, rtol=0)  # what the cache written back answers
+    # against the session's own steps (other kernels: bf16 rounds otherwise, so its tokens may part later)
+    assert torch.allclose(replayed[1][0], own[1][0], atol=tol, rtol=0)
+    if dtype == torch.float32:
+        assert torch.equal(replayed[0], own[0])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
