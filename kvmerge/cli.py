@@ -248,6 +248,7 @@ def _parser() -> argparse.ArgumentParser:
     _answer_args(ask)
     ask.add_argument("--model", default=None, metavar="NAME", help=f"{model_help} (default: the model the file names)")
     ask.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    ask.add_argument("--cuda-graph", action="store_true", help="decode by replaying one captured CUDA graph (a CUDA device)")
     ask.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
     insp = sub.add_parser("inspect", help="what a .kvz file holds and which parts of the text it kept",

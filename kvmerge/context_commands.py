@@ -88,6 +88,10 @@ def compress(args) -> int:
 def ask(args) -> int:
     from .commands import Streamer, check_sampling, sampling
 
+    if args.cuda_graph:
+        from .commands import graph_device
+
+        graph_device(args.device)
     path, meta = _file(args.file)
     check_sampling(args)
     questions = list(args.question)
@@ -105,7 +109,7 @@ def ask(args) -> int:
         if len(questions) > 1:
             print(f"Q: {q}\nA: ", end="", flush=True)
         out = generate(model, tok, ctx, q, max_new_tokens=args.max_new_tokens, **sampling(args),
-                       streamer=Streamer(tok, args.stop))
+                       streamer=Streamer(tok, args.stop), cuda_graph=args.cuda_graph)
         print(f"[{out.stats['method']}: {ctx.tokens:,} context tokens; loaded in {loaded * 1e3:.0f} ms; "
               f"answered in {out.stats['decode_seconds']:.2f} s]", file=sys.stderr)
     return 0

@@ -9,7 +9,7 @@ import torch
 
 from .cache import stock_cache_bytes
 from .errors import InputError, check_sampling, refusing
-from .graphs import GraphDecoder
+from .graphs import GraphDecoder, check_cuda_graph
 from .progress import bars_for
 from .prompt import validate
 from .stats import Stats
@@ -73,15 +73,17 @@ def stopper(tokenizer, stop):
 
 @torch.inference_mode()
 def from_context(context, question_ids: list[int], max_new_tokens: int = 32, eos_token_id=None, sampling=None,
-                 streamer=None, stop=None, progress=None) -> GenerationOutput:
+                 streamer=None, stop=None, progress=None, cuda_graph: bool = False) -> GenerationOutput:
     """Answer from a `CompressedContext` (see `kvmerge.context`): the question's ids fed after the
-    compressed context, then decoded; the context is as it was for the next question."""
+    compressed context, then decoded (`cuda_graph`: by replaying one captured CUDA graph); the context
+    is as it was for the next question."""
     with refusing():
         session = context.session
         validate(session.model, [[0] * context.tokens], [list(question_ids)], "agnostic", max_new_tokens,
                   session.method)
+        check_cuda_graph(cuda_graph, session.method, session.model)
     session = context.rewind()
-    session.reserve(len(question_ids) + max_new_tokens)
+    session.reserve(len(question_ids) + (0 if cuda_graph else max_new_tokens))
     stats = {**cache_stats(session, [[0] * context.tokens], "agnostic"), "context_tokens": context.tokens,
              "compressed_before": dict(context.meta.get("timings", {}))}  # this run neither prefills nor compresses
     for phase in ("prefill_seconds", "compress_seconds"):
@@ -89,7 +91,8 @@ def from_context(context, question_ids: list[int], max_new_tokens: int = 32, eos
     report = bars_for(progress)
     try:
         logits = session.forward([list(question_ids)], decoding=False)
-        return decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop, report)
+        return decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop, report,
+                      cuda_graph)
     finally:
         getattr(report, "close", lambda: None)()
 

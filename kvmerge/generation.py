@@ -14,7 +14,7 @@ from .context import CompressedContext
 from .decoding import GenerationOutput, Sampling, cache_stats, cut_at_stop, decode, from_context, stop_strings, stopper
 from .defaults import resolve
 from .errors import InputError, ParameterTypeError, refusing
-from .graphs import refuse_graph
+from .graphs import check_cuda_graph
 from .methods import Method
 from .progress import bars_for, watching
 from .prompt import (check_context_text, check_model, check_questions, check_tokenizer, common_prefix, end_ids, is_ids,
@@ -56,10 +56,7 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
             _check_tokenizer(method, tokenizer)
         if streamer is not None and len(contexts) > 1:
             raise InputError("a streamer takes a single row")
-        if not isinstance(cuda_graph, bool):
-            raise ParameterTypeError(f"cuda_graph must be True or False, got {cuda_graph!r}")
-        if cuda_graph:
-            refuse_graph(method, model)
+        check_cuda_graph(cuda_graph, method, model)
         session = Session(model, len(contexts), method, tokenizer)
     report = bars_for(progress)
     try:
@@ -84,14 +81,14 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
                      progress=None, budget: float | int | None = None,
                      prefill_chunk: int | None = None, temperature: float = 0.0, top_k: int = 0,
                      top_p: float = 1.0, seed: int | None = None,
-                     stop: list[str] | None = None) -> list[GenerationOutput]:
+                     stop: list[str] | None = None, cuda_graph: bool = False) -> list[GenerationOutput]:
     """Several questions (a list of str) about one `context` (a str), question-agnostic: the context
     is prefilled and compressed once, and each question decodes from that same compressed cache,
     as `generate` would answer it alone (chat template applied; each answer stops at the end of its
     turn). One `GenerationOutput` per question, `.text` set. `method`: a `Method`, a name or a spec;
     None: the default for this model (`kvmerge.defaults.default_method`); "full" keeps the whole cache;
-    `budget` and `prefill_chunk` as in `generate_ids`; `temperature`, `top_k`, `top_p`, `seed` and `stop`
-    as in `generate`, for each question alike (a seed draws each answer as `generate` would alone).
+    `budget`, `prefill_chunk` and `cuda_graph` as in `generate_ids`; `temperature`, `top_k`, `top_p`, `seed`
+    and `stop` as in `generate`, for each question alike (a seed draws each answer as `generate` would alone).
 
     Token ids in the tokenizer's place, `answer_questions(model, context_ids, question_ids, method)`,
     run `answer_questions_ids`."""
@@ -105,7 +102,8 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
             raise InputError("stop strings need the tokenizer to read the text: answer_questions(model, tokenizer, "
                              "context, questions, ...)")
         return answer_questions_ids(model, tokenizer, context, questions, max_new_tokens, eos_token_id,
-                                    progress=progress, budget=budget, prefill_chunk=prefill_chunk, sampling=sampling)
+                                    progress=progress, budget=budget, prefill_chunk=prefill_chunk, sampling=sampling,
+                                    cuda_graph=cuda_graph)
     if isinstance(context, CompressedContext):
         with refusing():
             _compressed_already(context, model, tokenizer, method, budget, prefill_chunk, chat_template=chat_template)
@@ -113,7 +111,7 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
         outs = []
         for q in [questions] if isinstance(questions, str) else questions:
             out = from_context(context, context.question_ids(q), max_new_tokens, ends, sampling,
-                               stop=stopper(tokenizer, stop), progress=progress)
+                               stop=stopper(tokenizer, stop), progress=progress, cuda_graph=cuda_graph)
             out.text = cut_at_stop(tokenizer.decode(out.tokens[0], skip_special_tokens=True), stop).strip()
             outs.append(out)
         return outs
@@ -138,7 +136,8 @@ def answer_questions(model, tokenizer, context, questions, method: Method | str 
         question_rows = [(c + q)[len(shared):] for c, q in pairs]
     ends = end_ids(tokenizer, chat_template) if eos_token_id is None else eos_token_id
     outs = answer_questions_ids(model, shared, question_rows, method, max_new_tokens, ends, tokenizer, progress,
-                                prefill_chunk=prefill_chunk, sampling=sampling, stop=stopper(tokenizer, stop))
+                                prefill_chunk=prefill_chunk, sampling=sampling, stop=stopper(tokenizer, stop),
+                                cuda_graph=cuda_graph)
     for out in outs:
         out.text = cut_at_stop(tokenizer.decode(out.tokens[0], skip_special_tokens=True), stop).strip()
     return outs
@@ -149,10 +148,10 @@ def answer_questions_ids(model, context_ids: list[int], questions: list[list[int
                          max_new_tokens: int = 32, eos_token_id=None, tokenizer=None,
                          progress=None, budget: float | int | None = None,
                          prefill_chunk: int | None = None, sampling: Sampling | None = None,
-                         stop=None) -> list[GenerationOutput]:
+                         stop=None, cuda_graph: bool = False) -> list[GenerationOutput]:
     """`answer_questions` from token ids: one context row, one row of ids per question; `.text` is
     decoded when `tokenizer` is given. `method` None: the default for this model; it, `budget`,
-    `prefill_chunk`, `sampling` and `stop` as in `generate_ids` (for each question alike)."""
+    `prefill_chunk`, `sampling`, `stop` and `cuda_graph` as in `generate_ids` (for each question alike)."""
     with refusing():
         check_model(model, "answer_questions_ids(model, context_ids, question_ids, ...)")
         method, default = resolve(model, method, budget)
@@ -162,12 +161,13 @@ def answer_questions_ids(model, context_ids: list[int], questions: list[list[int
             validate(model, [context_ids], [q], "agnostic", max_new_tokens, method, prefill_chunk)
         if default:
             _check_tokenizer(method, tokenizer)
+        check_cuda_graph(cuda_graph, method, model)
         session = Session(model, 1, method, tokenizer)
     report = bars_for(progress)
     try:
         with watching(session, report, len(context_ids)):
             session.prefill([list(context_ids)], chunk=prefill_chunk)
-        session.reserve(max(len(q) for q in questions) + max_new_tokens)
+        session.reserve(max(len(q) for q in questions) + (0 if cuda_graph else max_new_tokens))
         stats = cache_stats(session, [context_ids], "agnostic")
         stats["context_tokens"] = stats["context_tokens"][0]
         snapshot = session.snapshot()
@@ -175,7 +175,8 @@ def answer_questions_ids(model, context_ids: list[int], questions: list[list[int
         for q in questions:
             session.restore(snapshot)
             logits = session.forward([list(q)], decoding=False)
-            out = decode(session, logits, dict(stats), max_new_tokens, eos_token_id, sampling, stop=stop, progress=report)
+            out = decode(session, logits, dict(stats), max_new_tokens, eos_token_id, sampling, stop=stop, progress=report,
+                         cuda_graph=cuda_graph)
             if tokenizer is not None and hasattr(tokenizer, "decode"):
                 out.text = tokenizer.decode(out.tokens[0], skip_special_tokens=True).strip()
             outs.append(out)
@@ -207,7 +208,7 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
                                          "(several: kvmerge.answer_questions)")
             sampling, stop = Sampling(temperature, top_k, top_p, seed), stop_strings(stop)
         out = from_context(context, context.question_ids(question), max_new_tokens, end_ids(tokenizer, chat_template),
-                           sampling, streamer, stopper(tokenizer, stop), progress)
+                           sampling, streamer, stopper(tokenizer, stop), progress, cuda_graph)
         out.text = cut_at_stop(tokenizer.decode(out.tokens[0], skip_special_tokens=True), stop).strip()
         return out
     with refusing():

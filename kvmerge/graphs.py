@@ -20,9 +20,18 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .errors import InputError, UnsupportedError
+from .errors import InputError, ParameterTypeError, UnsupportedError
 from .layer import MergedLayer
 from .ragged import LOG_N_DTYPE
+
+
+def check_cuda_graph(cuda_graph, method, model) -> None:
+    """The `cuda_graph` argument of kvmerge's answering functions: a bool, and where True, a `method`
+    and `model` whose decoding steps can be captured (`refuse_graph`)."""
+    if not isinstance(cuda_graph, bool):
+        raise ParameterTypeError(f"cuda_graph must be True or False, got {cuda_graph!r}")
+    if cuda_graph:
+        refuse_graph(method, model)
 
 
 def refuse_graph(method, model=None) -> None:

@@ -148,6 +148,8 @@ def test_cuda_without_a_gpu_is_refused_before_the_model_loads(capsys, files, mon
     fails(capsys, G + ["--device", "tpu9"], "unknown device 'tpu9'")
     fails(capsys, G + ["--cuda-graph"], "--cuda-graph replays decoding steps on a CUDA GPU", "torch sees no CUDA GPU")
     fails(capsys, G + ["--cuda-graph", "--device", "cpu"], "would run on cpu: leave --cuda-graph out")
+    fails(capsys, ["ask", "no-such.kvz", "--question", "Why?", "--cuda-graph", "--device", "cpu"],
+          "would run on cpu: leave --cuda-graph out")
 
 
 def test_hub_ids_are_refused_at_once_offline_when_not_cached(capsys, files, monkeypatch):

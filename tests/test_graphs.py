@@ -16,7 +16,7 @@ from kvmerge import graphs
 from kvmerge.errors import InputError, UnsupportedError
 from kvmerge.graphs import GraphDecoder, GraphLayer, PackedGraphLayer
 
-from .conftest import random_ids, tiny_model
+from .conftest import TinyTokenizer, random_ids, tiny_model
 from .test_hybrid import gemma3
 
 STEPS = 12
@@ -198,13 +198,21 @@ def test_generate_with_cuda_graph_decodes_through_the_decoder(monkeypatch):
         def __init__(self, session, steps, graph=None):
             opened.append(steps)
             super().__init__(session, steps, graph=False)
-    monkeypatch.setattr(kvmerge.generation, "refuse_graph", lambda *_: None)
+    monkeypatch.setattr(graphs, "refuse_graph", lambda *_: None)
     monkeypatch.setattr(kvmerge.decoding, "GraphDecoder", Eager)
     model, rows, questions = tiny_model(), [random_ids(300), random_ids(250, seed=1)], [random_ids(5, seed=9)] * 2
     plain = kvmerge.generate_ids(model, rows, questions, "kmeans", max_new_tokens=10, eos_token_id=7)
     graph = kvmerge.generate_ids(model, rows, questions, "kmeans", max_new_tokens=10, eos_token_id=7, cuda_graph=True)
     assert opened == [9] and graph.tokens == plain.tokens and "graph_capture_seconds" in graph.stats
     assert graph.stats["final_cache_bytes"] == plain.stats["final_cache_bytes"]
+    # several questions from one compressed prefill, and answers from a compressed context
+    asks = [random_ids(5, seed=9), random_ids(7, seed=8)]
+    plain = kvmerge.answer_questions_ids(model, rows[0], asks, "snapkv", max_new_tokens=6)
+    graph = kvmerge.answer_questions_ids(model, rows[0], asks, "snapkv", max_new_tokens=6, cuda_graph=True)
+    assert [o.tokens for o in graph] == [o.tokens for o in plain] and opened[1:] == [5, 5]
+    context = kvmerge.compress_context(model, TinyTokenizer(), rows[0], "snapkv", 0.25)
+    plain, graph = (context.generate_ids(asks[1], max_new_tokens=6, cuda_graph=flag) for flag in (False, True))
+    assert graph.tokens == plain.tokens and opened[3:] == [5]
 
 
 def test_generate_with_cuda_graph_refuses_before_any_forward():
