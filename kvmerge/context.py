@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .decoding import GenerationOutput, cache_stats, decode, from_context
+from .graphs import check_cuda_graph
 from .errors import InputError, KVMergeError, ParameterTypeError, one_line, refusing
 from .context_file import (ContextFileError, OtherModelError, check_file, ids_hash, layer_in, layer_out, read, state_in,
                            state_out, write)
@@ -169,9 +170,10 @@ def batch(contexts: list[CompressedContext]) -> Session:
 
 @torch.inference_mode()
 def answer_contexts(model, tokenizer, contexts, questions, max_new_tokens: int = 32, eos_token_id=None,
-                    progress=None) -> GenerationOutput:
+                    progress=None, cuda_graph: bool = False) -> GenerationOutput:
     """One question (a str) per compressed context (`kvmerge.compress_context` or `load_context`),
-    answered in one ragged batch; `.text` one str per row. The contexts come from one model and method."""
+    answered in one ragged batch; `.text` one str per row. The contexts come from one model and method.
+    `cuda_graph`: as in `kvmerge.generate_ids`."""
     with refusing():
         if not isinstance(contexts, (list, tuple)):
             raise ParameterTypeError(f"answer_contexts takes a list of compressed contexts and a list of questions, "
@@ -186,12 +188,13 @@ def answer_contexts(model, tokenizer, contexts, questions, max_new_tokens: int =
         rows = [c.question_ids(q) for c, q in zip(contexts, questions)]
         for c, q in zip(contexts, rows):
             validate(model, [[0] * c.tokens], [q], "agnostic", max_new_tokens, c.session.method)
+        check_cuda_graph(cuda_graph, contexts[0].session.method, model)
     session = batch(contexts)
-    session.reserve(max(map(len, rows)) + max_new_tokens)
+    session.reserve(max(map(len, rows)) + (0 if cuda_graph else max_new_tokens))
     stats = {**cache_stats(session, [[0] * c.tokens for c in contexts], "agnostic")}
     ends = end_ids(tokenizer, contexts[0].meta["chat_template"]) if eos_token_id is None else eos_token_id
     logits = session.forward(rows, decoding=False)
-    out = decode(session, logits, stats, max_new_tokens, ends, progress=bars_for(progress))
+    out = decode(session, logits, stats, max_new_tokens, ends, progress=bars_for(progress), cuda_graph=cuda_graph)
     out.text = [tokenizer.decode(t, skip_special_tokens=True).strip() for t in out.tokens]
     return out
 

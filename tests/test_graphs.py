@@ -210,9 +210,18 @@ def test_generate_with_cuda_graph_decodes_through_the_decoder(monkeypatch):
     plain = kvmerge.answer_questions_ids(model, rows[0], asks, "snapkv", max_new_tokens=6)
     graph = kvmerge.answer_questions_ids(model, rows[0], asks, "snapkv", max_new_tokens=6, cuda_graph=True)
     assert [o.tokens for o in graph] == [o.tokens for o in plain] and opened[1:] == [5, 5]
-    context = kvmerge.compress_context(model, TinyTokenizer(), rows[0], "snapkv", 0.25)
+    class Tok(TinyTokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+    tok = Tok()
+    context = kvmerge.compress_context(model, tok, rows[0], "snapkv", 0.25)
     plain, graph = (context.generate_ids(asks[1], max_new_tokens=6, cuda_graph=flag) for flag in (False, True))
     assert graph.tokens == plain.tokens and opened[3:] == [5]
+    other = kvmerge.compress_context(model, tok, rows[1], "snapkv", 0.25)
+    monkeypatch.setattr(type(context), "question_ids", lambda _, q: random_ids(len(q), seed=3))  # no text tokenizer
+    plain, graph = (kvmerge.answer_contexts(model, tok, [context, other], ["a b", "c d e"], max_new_tokens=6,
+                                            cuda_graph=flag) for flag in (False, True))
+    assert graph.tokens == plain.tokens and opened[4:] == [5]
 
 
 def test_generate_with_cuda_graph_refuses_before_any_forward():
