@@ -39,7 +39,7 @@ class MergedCache(Cache):
     def check_free(self) -> None:
         """An InputError while a `GraphDecoder` holds this cache (its layers are the decoder's until it closes)."""
         if any(isinstance(layer, GraphLayer) for layer in self.layers):
-            raise InputError("this session's cache is in a GraphDecoder: close it (leave its `with` block) first")
+            raise InputError("the cache is in a GraphDecoder: close it (leave its `with` block) first")
 
     @property
     def compressible(self) -> list[int]:

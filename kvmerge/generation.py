@@ -39,7 +39,8 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
     keeps, a fraction in (0, 1] or a whole number of entries, with a method name or None (a `Method`
     carries its own). `cuda_graph`: decode by replaying one captured CUDA graph (`kvmerge.GraphDecoder`;
     a model on one CUDA device, a method without a decode policy; each step reads every layer's slots
-    plus room for `max_new_tokens`). Every check runs before the first forward pass. With a `tokenizer` that decodes, `.text` holds each row's text (a str for one row given flat)."""
+    plus room for `max_new_tokens`). Every check runs before the first forward pass. With a `tokenizer`
+    that decodes, `.text` holds each row's text (a str for one row given flat)."""
     with refusing():
         check_model(model, "generate_ids(model, context_ids, question_ids, ...)")
         method, default = resolve(model, method, budget)

@@ -223,7 +223,7 @@ class GraphDecoder:
         refuse_graph(session.method, session.model if graph else None)
         cache = session.cache
         if any(isinstance(layer, GraphLayer) for layer in cache.layers):
-            raise InputError("this session's cache is already in a GraphDecoder: close that one first")
+            raise InputError("the cache is already in a GraphDecoder: close that one first")
         if cache.entries[0] == 0:
             raise InputError("the session holds no tokens: prefill a prompt before decoding")
         self.session, self.steps, self.done = session, steps, 0
