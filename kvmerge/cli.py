@@ -4,7 +4,8 @@ train-scorer (also `python -m kvmerge`).
 A mistake ends in one line on stderr that names the problem and the fix, with exit status 2; `--debug`
 (or KVMERGE_DEBUG=1) shows the traceback instead. Everything that can be checked without the model
 (method spec and parameter types, budget, files, model name, what a runtime refuses) is checked
-before the model loads. `--help` and `methods` import neither torch nor transformers.
+before the model loads. `--help` imports neither torch nor transformers, and
+`methods` neither once its table is cached (the first run, and the first after an upgrade, builds it).
 """
 
 from __future__ import annotations

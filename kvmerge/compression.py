@@ -175,7 +175,7 @@ def compressing(model, method: Method | str | None = None, tokenizer=None, **par
     `Compressor` (its `prefill` compresses a context for the question-agnostic recipe). `method` is a
     `Method`, or a name or spec with `params` (`compressing(model, "snapkv", budget=0.25)`); None: the
     default for this model (`kvmerge.defaults.default_method`: learnedzip where it has learned-scorer
-    weights, else mixedmerge), with `params`."""
+    weights, `learnedzip:sliding=0.75` on models with sliding-window layers, else mixedmerge), with `params`."""
     named = method not in (None, "default")
     with refusing():
         if not named:

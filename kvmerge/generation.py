@@ -34,7 +34,8 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
     that end a row. `prefill_chunk`: prefill and compress that many tokens at a time (bounded memory;
     see `Session.prefill`). `progress`: None (quiet), True (bars on stderr for steps over 2 s) or
     `progress(phase, done, total)`. `method`: None compresses with the default for this model
-    (`kvmerge.defaults.default_method`: learnedzip where it has learned-scorer weights, else mixedmerge,
+    (`kvmerge.defaults.default_method`: learnedzip where it has learned-scorer weights,
+    `learnedzip:sliding=0.75` on models with sliding-window layers, else mixedmerge,
     which needs `tokenizer`); `get_method("full")` keeps the whole cache. `budget`: what the cache
     keeps, a fraction in (0, 1] or a whole number of entries, with a method name or None (a `Method`
     carries its own). `cuda_graph`: decode by replaying one captured CUDA graph (`kvmerge.GraphDecoder`;
