@@ -41,6 +41,7 @@ SHORT = {  # the table's line per method (`kvmerge methods NAME` shows the whole
     "streamingllm": "the first tokens and the most recent",
     "surprisal": "the most surprising sentences",
     "surprisemerge": "surprise and SnapKV's picks; merged",
+    "surprisezip": "surprising sentences and learnedzip's picks",
     "tova": "attention of the last prompt query",
     "zipguard": "KVzip, copy heads ranked otherwise",
     "zipguardmerge": "zipguard's picks; the rest merged in",

@@ -26,7 +26,7 @@ SLIDING = "learnedzip:sliding=0.75"
 UNIFORM = "surprisezip"  # one entry count for every layer and head: vLLM, rows of different lengths
 CANDIDATES = (LEARNED, SLIDING, UNIFORM, FALLBACK)  # every spec `default_method` returns
 RULE = (f"{LEARNED} where the model has learned-scorer weights (both bundled models; {SLIDING} on models with "
-        f"sliding-window layers, {UNIFORM} in vLLM and for rows of different lengths), else {FALLBACK}")
+        f"sliding-window layers, {UNIFORM} in vLLM and for a batch of prompts of different lengths), else {FALLBACK}")
 
 logger = logging.getLogger("kvmerge")
 _told: set[str] = set()  # fingerprints of the models already told how to train weights

@@ -40,6 +40,11 @@ class ContextTooLongError(InputError):
     """A prompt longer than the model's positions (`config.max_position_embeddings`)."""
 
 
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """'1 context', '2 contexts' (`many`: the plural where it is not `one` + 's'): a count in a message."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def suggest(word: str, choices, n: int = 3) -> str:
     """' (did you mean X?)' for the choices closest to `word` (difflib), or ''."""
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=n, cutoff=0.6)

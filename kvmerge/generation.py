@@ -13,7 +13,7 @@ import torch
 from .context import CompressedContext
 from .decoding import GenerationOutput, Sampling, cache_stats, cut_at_stop, decode, from_context, stop_strings, stopper
 from .defaults import resolve
-from .errors import InputError, ParameterTypeError, refusing
+from .errors import InputError, ParameterTypeError, plural, refusing
 from .graphs import check_cuda_graph
 from .methods import Method
 from .progress import bars_for, watching
@@ -226,9 +226,12 @@ def generate(model, tokenizer, context, question, method: Method | str | None = 
                                      f"{type(question).__name__}")
         contexts = [context] if single else list(context)
         questions = [question] if isinstance(question, str) else list(question)
+        if any(not isinstance(q, str) for q in questions):
+            raise ParameterTypeError("generate takes the question as text (a str, or a list of str, one per context); "
+                                     "token ids go to generate_ids")
         if len(contexts) != len(questions):
             hint = " (several questions about one context: kvmerge.answer_questions)" if single else ""
-            raise InputError(f"{len(contexts)} contexts but {len(questions)} questions{hint}")
+            raise InputError(f"{plural(len(contexts), 'context')} but {plural(len(questions), 'question')}{hint}")
         call = "generate(model, tokenizer, context, question, ...)"
         check_model(model, call)
         check_tokenizer(tokenizer, call, model)

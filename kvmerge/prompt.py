@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ContextTooLongError, InputError, ParameterTypeError, check_chunk
+from .errors import ContextTooLongError, InputError, ParameterTypeError, check_chunk, plural
 from .methods import Method
 from .model import max_positions
 from .params import check_params
@@ -154,7 +154,7 @@ def validate(model, context_ids, question_ids, protocol, max_new_tokens, method,
         raise InputError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     contexts, questions = as_rows(context_ids, "context_ids"), as_rows(question_ids, "question_ids")
     if len(contexts) != len(questions):
-        raise InputError(f"{len(contexts)} contexts but {len(questions)} questions")
+        raise InputError(f"{plural(len(contexts), 'context')} but {plural(len(questions), 'question')}")
     if any(len(c) == 0 for c in contexts):
         raise InputError("empty context: nothing to compress")
     vocab = model.config.get_text_config(decoder=True).vocab_size

@@ -204,6 +204,9 @@ def test_methods_table_says_what_each_does_its_cost_and_where_it_runs(capsys, mo
     assert "vLLM" not in cols["kvzip"][3] and cols["zipguard"][1] == "part"
     assert cols["learnedzip"][3] == "hf, vLLM (alloc=uniform)" and cols["snapkv"][3] == "hf, vLLM"
     assert set(kvmerge.available_methods()) <= set(cols)
+    from kvmerge.catalog import SHORT
+
+    assert {c[4] for c in cols.values()} <= set(SHORT.values())  # every row's line is a short one, none cut
     assert main(["methods", "mixedmerge"]) == 0  # an old name: tests/test_names.py
     detail = capsys.readouterr().out
     assert detail.startswith("mixedmerge (preset, recommended") and "spec: evictmerge:" in detail
@@ -226,7 +229,7 @@ def test_methods_fit_the_terminal_and_name_the_default(capsys, monkeypatch):
     legend = " ".join(out.split())
     assert ("Default (kvmerge generate, kvmerge.compressing, the vLLM plugin): learnedzip where the model has "
             "learned-scorer weights (both bundled models; learnedzip:sliding=0.75 on models with sliding-window layers, "
-            "surprisezip in vLLM and for rows of different lengths), else mixedmerge, which logs one line naming "
+            "surprisezip in vLLM and for a batch of prompts of different lengths), else mixedmerge, which logs one line naming "
             "`kvmerge train-scorer --model PATH`.") in legend
     assert main(["methods", "snapkv"]) == 0
     detail = capsys.readouterr().out

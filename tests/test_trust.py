@@ -1,6 +1,7 @@
 """The Python API refuses bad input before any forward pass, with `KVMergeError`s; a compressed cache
 answers many questions correctly; stats read as one line; progress is reported only when asked."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -162,8 +163,13 @@ def test_swapped_arguments_and_empty_questions_are_refused_before_any_forward(no
         kvmerge.answer_questions(no_forward, tok, "a context", ["q", ""])
     with pytest.raises(InputError, match="needs the model's tokenizer"):
         kvmerge.generate(no_forward, None, "a context", "q")
-    with pytest.raises(InputError, match="1 contexts but 2 questions .*kvmerge.answer_questions"):
+    with pytest.raises(InputError, match="1 context but 2 questions .*kvmerge.answer_questions"):
         kvmerge.generate(no_forward, tok, "a context", ["q", "r"])
+
+
+def test_a_misspelt_parameter_is_answered_with_the_closest_names_in_python_as_on_the_command_line():
+    with pytest.raises(ParameterTypeError, match=r"snapkv has no parameter\(s\) windw \(did you mean window or obs_window\?\)"):
+        kvmerge.get_method("snapkv:windw=3")
 
 
 def test_a_spec_budget_and_budget_given_apart_must_agree(llama):
@@ -181,8 +187,18 @@ def test_a_budget_below_one_entry_names_both_forms(budget):
 
 
 def test_a_context_too_short_for_the_budget_names_the_ways_out(llama):
-    with pytest.raises(InputError, match=r"keep at least 36 entries .*protect fewer .*method full"):
+    with pytest.raises(InputError, match=r"keep at least 36 entries .*protect fewer recent tokens \(window=(\d+).*method full"
+                       ) as refused:
         kvmerge.generate_ids(llama, random_ids(50), [1], "streamingllm")
+    window = int(re.search(r"window=(\d+)", str(refused.value)).group(1))
+    assert window == 12 - 4  # 50 tokens at 0.25 keep round(12.5) = 12 entries, 4 of them sinks
+    out = kvmerge.generate_ids(llama, random_ids(50), [1], f"streamingllm:window={window}", max_new_tokens=1)
+    assert set(out.stats.layers) == {12}  # the way out it names works: 12 entries in every layer
+
+
+def test_a_context_shorter_than_the_protected_tokens_is_not_told_to_keep_more_than_it_has(llama):
+    with pytest.raises(ValueError, match=r"3 tokens give 1 entry, .*; keep the whole cache \(method full\)$"):
+        kvmerge.get_method("streamingllm", budget=0.25).target(3)
 
 
 @pytest.mark.parametrize("chunk", [None, 64])
@@ -205,6 +221,8 @@ def test_progress_is_reported_when_asked_and_only_then(llama, capsys, chunk):
 def test_text_apis_refuse_token_ids_and_ids_apis_refuse_text(llama):
     with pytest.raises(ParameterTypeError, match="token ids go to generate_ids"):
         kvmerge.generate(llama, object(), [1, 2], "q")
+    with pytest.raises(ParameterTypeError, match="token ids go to generate_ids"):
+        kvmerge.generate(llama, object(), "a context", [5, 6, 7])  # the question as ids, not three questions
     with pytest.raises(ParameterTypeError, match="text goes to"):
         kvmerge.generate_ids(llama, "a long context", [1])
     with pytest.raises(InputError, match="unknown method"):

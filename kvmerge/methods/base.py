@@ -13,6 +13,7 @@ import torch
 from ..ops.kv import KV
 from ..allocation import top_slots_per_head
 from ..ops.scores import top_slots
+from ..errors import plural
 from ..spec import spec_of
 
 
@@ -210,12 +211,15 @@ class Method:
         want = round(self.budget * n_tokens) if isinstance(self.budget, float) else self.budget
         want = min(max(want, 1), n_tokens)
         if want < n_tokens and want < self.sinks + window:
-            ways = [f"keep at least {self.sinks + window} entries (budget={self.sinks + window})"]
-            if window == self.window and window > 8:  # not the question's own tokens (the aware protocol)
-                ways.append("protect fewer (window=8)")
-            raise ValueError(f"context too short for budget {self.budget}: {n_tokens} tokens give {want} entries, "
+            ways = []
+            if self.sinks + window < n_tokens:
+                ways.append(f"keep at least {self.sinks + window} entries (a budget of {self.sinks + window})")
+            if window == self.window and want - self.sinks >= 1:  # not the question's own tokens (the aware protocol)
+                ways.append(f"protect fewer recent tokens (window={want - self.sinks}, which fits {want} entries)")
+            ways.append("keep the whole cache (method full)")
+            raise ValueError(f"context too short for budget {self.budget}: {plural(n_tokens, 'token')} give {plural(want, 'entry', 'entries')}, "
                              f"fewer than the protected sinks + window ({self.sinks} + {window}); "
-                             f"{', '.join(ways)} or keep the whole cache (method full)")
+                             f"{', '.join(ways[:-1]) + ' or ' if len(ways) > 1 else ''}{ways[-1]}")
         return want
 
     def running_target(self, n_tokens: int, window: int | None = None) -> int:

@@ -120,7 +120,8 @@ def _build(name, budget, params: dict) -> Method:
     known = {f.name: f for f in fields(cls) if f.init}
     unknown = set(params) - set(known)
     if unknown:
-        raise TypeError(f"{base} has no parameter(s) {', '.join(sorted(unknown))}; it takes "
+        close = suggest(sorted(unknown)[0], known) if len(unknown) == 1 else ""
+        raise TypeError(f"{base} has no parameter(s) {', '.join(sorted(unknown))}{close}; it takes "
                         f"{', '.join(sorted(known))}")
     for key, value in params.items():
         f = known[key]
