@@ -206,7 +206,7 @@ def test_methods_table_says_what_each_does_its_cost_and_where_it_runs(capsys, mo
     assert set(kvmerge.available_methods()) <= set(cols)
     from kvmerge.catalog import SHORT
 
-    assert {c[4] for c in cols.values()} <= set(SHORT.values())  # every row's line is a short one, none cut
+    assert {c[4] for c in cols.values()} - {"what it does"} <= set(SHORT.values())  # every row a short line, none cut
     assert main(["methods", "mixedmerge"]) == 0  # an old name: tests/test_names.py
     detail = capsys.readouterr().out
     assert detail.startswith("mixedmerge (preset, recommended") and "spec: evictmerge:" in detail
