@@ -97,9 +97,10 @@ def from_context(context, question_ids: list[int], max_new_tokens: int = 32, eos
         getattr(report, "close", lambda: None)()
 
 
-def cache_stats(session, contexts, protocol) -> dict:
+def cache_stats(session, contexts, protocol, prefill_chunk: int | None = None) -> dict:
     """Sizes after compression. A budget applies to the full-attention layers (`compressed_layers_*`);
-    `cache_bytes` is the whole cache, `full_cache_bytes` what transformers' own cache would hold."""
+    `cache_bytes` is the whole cache, `full_cache_bytes` what transformers' own cache would hold;
+    `prefill_chunk` where the prefill ran in chunks."""
     config, dtype, cache = session.model.config, cache_dtype(session), session.cache
     width, rows, picked = max(len(c) for c in contexts), len(contexts), cache.compressible
     return {"method": session.method.described, "budget": session.method.budget, "protocol": protocol,
@@ -107,7 +108,8 @@ def cache_stats(session, contexts, protocol) -> dict:
             "cache_entries": cache.entries, "cache_bytes": cache.nbytes,
             "full_cache_bytes": rows * stock_cache_bytes(config, dtype, width),
             "compressed_layers_bytes": sum(cache.layers[i].nbytes for i in picked),
-            "compressed_layers_full_bytes": rows * stock_cache_bytes(config, dtype, width, picked)}
+            "compressed_layers_full_bytes": rows * stock_cache_bytes(config, dtype, width, picked),
+            **({"prefill_chunk": prefill_chunk} if prefill_chunk else {})}
 
 
 def cache_dtype(session) -> torch.dtype:

@@ -65,7 +65,7 @@ def generate_ids(model, context_ids, question_ids, method: Method | str | None =
         with watching(session, report, max(map(len, contexts))):
             logits = session.prefill(contexts, window, prefill_chunk)
         session.reserve(max(len(q) for q in questions) + (0 if cuda_graph else max_new_tokens))  # a graph: its own
-        stats = cache_stats(session, contexts, protocol)
+        stats = cache_stats(session, contexts, protocol, prefill_chunk)
         if protocol == "agnostic":
             logits = session.forward(questions, decoding=False)
         out = decode(session, logits, stats, max_new_tokens, eos_token_id, sampling, streamer, stop, report,
@@ -170,7 +170,7 @@ def answer_questions_ids(model, context_ids: list[int], questions: list[list[int
         with watching(session, report, len(context_ids)):
             session.prefill([list(context_ids)], chunk=prefill_chunk)
         session.reserve(max(len(q) for q in questions) + (0 if cuda_graph else max_new_tokens))
-        stats = cache_stats(session, [context_ids], "agnostic")
+        stats = cache_stats(session, [context_ids], "agnostic", prefill_chunk)
         stats["context_tokens"] = stats["context_tokens"][0]
         snapshot = session.snapshot()
         outs = []

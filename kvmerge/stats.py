@@ -13,8 +13,9 @@ class Stats(dict):
     `cache_entries` (one per layer: the most any row holds), `cache_bytes` and `full_cache_bytes`
     (the whole cache against what transformers' own would hold), `compressed_layers_bytes` and
     `compressed_layers_full_bytes` (the layers the budget applies to), `prefill_seconds`,
-    `compress_seconds`, `decode_seconds`, `graph_capture_seconds` (with `cuda_graph`), `new_tokens` (one
-    per row), `final_cache_bytes`, and what the method reports of itself. An answer from a compressed
+    `compress_seconds`, `decode_seconds`, `graph_capture_seconds` (with `cuda_graph`), `prefill_chunk`
+    (where the prefill ran in chunks), `new_tokens` (one per row), `final_cache_bytes`, and what the
+    method reports of itself. An answer from a compressed
     context has no prefill or compress seconds of its own: `compressed_before` holds those of its
     compression."""
 
@@ -39,7 +40,8 @@ class Stats(dict):
         tokens = f"{tokens:,}" if isinstance(tokens, int) else "/".join(f"{t:,}" for t in tokens or [])
         entries = sorted(set(self.layers))
         kept = (f"{entries[0]:,}" if len(entries) == 1 else f"{entries[0]:,}–{entries[-1]:,}") if entries else "?"
-        parts = [f"{self.get('method', '?')} at budget {self.get('budget')}", f"{tokens} context tokens",
+        chunk = f" (prefilled in chunks of {self['prefill_chunk']:,})" if self.get("prefill_chunk") else ""
+        parts = [f"{self.get('method', '?')} at budget {self.get('budget')}", f"{tokens} context tokens{chunk}",
                  f"{kept} entries per layer (its widest head)"]
         budget, counts = self.get("budget"), self.get("context_tokens")
         counts = [counts] if isinstance(counts, int) else list(counts or [])

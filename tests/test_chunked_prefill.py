@@ -36,6 +36,8 @@ def test_a_chunk_as_long_as_the_context_is_one_shot_compression(name):
     one_shot = kvmerge.generate_ids(model, ctx, q, m, max_new_tokens=8, tokenizer=tok)
     chunked = kvmerge.generate_ids(model, ctx, q, m, max_new_tokens=8, tokenizer=tok, prefill_chunk=160)
     assert chunked.tokens == one_shot.tokens and chunked.stats["cache_entries"] == one_shot.stats["cache_entries"]
+    assert "160 context tokens (prefilled in chunks of 160);" in str(chunked.stats)  # the stats line says so
+    assert "chunks" not in str(one_shot.stats) and "prefill_chunk" not in one_shot.stats
 
 
 @pytest.mark.parametrize("name", CHUNKED)
