@@ -161,7 +161,7 @@ def dev(args):
              ("family", ["same_template_2", "same_template_4", "same_template_8"], "docs", 2048, 10)]
     for task, subtasks, genre, length, samples in cells[:args.cells]:
         out = Path(args.out) / args.model / f"{task}-{genre}"
-        for row in run(task, model, tok, methods, [0.1, 0.25], [length], samples, out, text=genre,
+        for row in run(task, model, tok, methods, args.budgets, [length], samples, out, text=genre,
                        subtasks=subtasks, model_name=args.model):
             print({k: row[k] for k in row if k in ("method", "budget", "task", "subtask", "score", "n")}, flush=True)
 
@@ -174,7 +174,8 @@ def main():
     ap.add_argument("--out", default="/tmp/look.pt")
     ap.add_argument("--weights", default="/tmp/look.pt")
     ap.add_argument("--methods", default="learnedzip,lookzip")
-    ap.add_argument("--cells", type=int, default=2)
+    ap.add_argument("--cells", type=int, default=2, help="1: the needles only")
+    ap.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.1, 0.25])
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
