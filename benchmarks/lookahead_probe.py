@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from probe_lookahead import judge
+from scorer_probe import SINKS, WINDOW, design, stage_two
 
 import kvmerge
 from kvmerge.methods.base import Needs
@@ -35,7 +37,6 @@ from kvmerge.methods.kvzip import KVzip, _live_slots, reconstruction_attention
 from kvmerge.methods.learnedzip import LearnedZip
 from kvmerge.methods.registry import register
 
-SINKS, WINDOW = 4, 32  # as train_scorer judges: not the opening, the first 4 or the last 32
 
 
 @register
@@ -110,7 +111,7 @@ def _stack(rows, cut):
 
 def fit(args):
     from kvmerge.methods import get_method
-    from kvmerge.train_scorer import _opening, corpus, overlap, pieces
+    from kvmerge.train_scorer import _opening, corpus, pieces
 
     model, tok = kvmerge.load_model(args.model)
     method = get_method("lookzip")
@@ -127,28 +128,13 @@ def fit(args):
         return data
 
     train, held = gather(all_pieces[120:120 + args.train]), gather(all_pieces[100:106])
-    x = torch.cat([torch.stack([p, s, torch.ones_like(p)], -1) for p, s, _ in train], 1).double()  # (L, N, h, 3)
-    y = torch.cat([t for _, _, t in train], 1).double()
-    w = torch.zeros(x.shape[0], x.shape[2], 3, dtype=torch.float64)
-    for layer in range(x.shape[0]):
-        for a in range(x.shape[2]):
-            xa, ya = x[layer, :, a], y[layer, :, a]
-            reg = torch.eye(3, dtype=xa.dtype) * 1e-2 * (xa * xa).mean()
-            reg[-1, -1] = 0
-            w[layer, a] = torch.linalg.solve(xa.T @ xa + reg, xa.T @ ya)
+    w = stage_two([p for p, _, _ in train], [t for _, _, t in train], [s[..., None] for _, s, _ in train])  # (L, h, 3)
     torch.save(w.float(), args.out)
     print(f"weights {tuple(w.shape)} → {args.out}; w0 mean {w[..., 0].mean():.3f}, w1 mean {w[..., 1].mean():.3f}")
-    for name, pick in (("the prediction", lambda p, s: p), ("the lookahead", lambda p, s: s),
-                       ("both (fitted)", lambda p, s: (torch.stack([p, s, torch.ones_like(p)], -1) * w.float()[:, None]).sum(-1))):
-        cells = []
-        for per_head, fraction in ((True, 0.1), (True, 0.25), (False, 0.1)):
-            vals = []
-            for p, s, t in held:
-                score = pick(p, s)
-                vals.append(overlap(score.transpose(1, 2), t.transpose(1, 2), fraction) if per_head
-                            else overlap(score.reshape(1, -1), t.reshape(1, -1), fraction))
-            cells.append(sum(vals) / len(vals))
-        print(f"| {name} | " + " / ".join(f"{v:.3f}" for v in cells) + " |", flush=True)
+    scores = {"the prediction": [p for p, _, _ in held], "the lookahead": [s for _, s, _ in held],
+              "both (fitted)": [(design(p, s[..., None]) * w.float()[:, None]).sum(-1) for p, s, _ in held]}
+    for name, rows in scores.items():
+        print(f"| {name} | {judge(rows, [t for _, _, t in held])} |", flush=True)
 
 
 def dev(args):
