@@ -26,9 +26,9 @@ import re
 import string
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+from dev_cells import run_cells
 
 import kvmerge
 from kvmerge import train_scorer
@@ -97,17 +97,9 @@ class FactZip(LearnedZip):
 
 
 def dev(args):
-    from kvmerge_eval.runner import run
-
     model, tok = kvmerge.load_model(args.model)
     methods = [f"factzip:weights={args.weights}" if m == "factzip" else m for m in args.methods.split(",")]
-    cells = [("ruler", ["single_number", "single_uuid", "multivalue", "multiquery"], "legal", 4096, 12),
-             ("family", ["same_template_2", "same_template_4", "same_template_8"], "docs", 2048, 10)]
-    for task, subtasks, genre, length, samples in cells[args.first:args.cells]:
-        out = Path(args.out) / args.model / f"{task}-{genre}"
-        for row in run(task, model, tok, methods, args.budgets, [length], samples, out, text=genre,
-                       subtasks=subtasks, model_name=args.model):
-            print({k: row[k] for k in row if k in ("method", "budget", "task", "subtask", "score", "n")}, flush=True)
+    run_cells(model, tok, args.model, methods, args.budgets, args.out, args.first, args.cells)
 
 
 def main():

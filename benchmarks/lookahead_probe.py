@@ -25,9 +25,9 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+from dev_cells import run_cells
 from probe_lookahead import judge
 from scorer_probe import SINKS, WINDOW, design, stage_two
 
@@ -138,18 +138,9 @@ def fit(args):
 
 
 def dev(args):
-    from kvmerge_eval.runner import run
-
     model, tok = kvmerge.load_model(args.model)
-    methods = [m for m in args.methods.split(",")]
-    methods = [f"lookzip:weights={args.weights}" if m == "lookzip" else m for m in methods]
-    cells = [("ruler", ["single_number", "single_uuid", "multivalue", "multiquery"], "legal", 4096, 12),
-             ("family", ["same_template_2", "same_template_4", "same_template_8"], "docs", 2048, 10)]
-    for task, subtasks, genre, length, samples in cells[:args.cells]:
-        out = Path(args.out) / args.model / f"{task}-{genre}"
-        for row in run(task, model, tok, methods, args.budgets, [length], samples, out, text=genre,
-                       subtasks=subtasks, model_name=args.model):
-            print({k: row[k] for k in row if k in ("method", "budget", "task", "subtask", "score", "n")}, flush=True)
+    methods = [f"lookzip:weights={args.weights}" if m == "lookzip" else m for m in args.methods.split(",")]
+    run_cells(model, tok, args.model, methods, args.budgets, args.out, 0, args.cells)
 
 
 def main():
