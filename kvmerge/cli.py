@@ -284,8 +284,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--model", default=None, help=f"{model_help} (default: smollm2-135m)")
     train.add_argument("--texts", type=_positive, default=100, help="training pieces of --length tokens")
     train.add_argument("--held", type=_positive, default=6, help="held-back pieces the agreement with KVzip is read on")
-    train.add_argument("--length", type=_number(int, 64, what="a whole number >= 64"), default=1024,
-                       help="tokens per piece (time grows about 2.4x per doubling)")
+    train.add_argument("--length", type=_number(int, 64, what="a whole number >= 64"), default=None,
+                       help="tokens per piece (default: 1024, or the longest the model's positions fit; time grows "
+                       "about 2.4x per doubling)")
     train.add_argument("--seed", type=int, default=0, help="the pieces' order and split")
     train.add_argument("--kind", choices=["linear", "mlp"], default="linear",
                        help="linear: ridge regression per layer; mlp: one hidden layer (learnedzip:scorer=mlp)")

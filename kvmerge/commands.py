@@ -11,7 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .errors import InputError, UnsupportedError, check_chunk
+from .errors import InputError, UnsupportedError, check_chunk, plural
 from .errors import check_sampling as check_sampling_options
 from .spec import check_budget_once, parse_spec
 
@@ -342,17 +342,18 @@ def train_scorer(args) -> int:
     scorer = Scorer.load(path)
     meta = scorer.meta
     print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB) in {time.perf_counter() - start:.0f} s; agreement with "
-          f"KVzip on {meta['held_back']} held-back pieces: top-10% {meta['top10_overlap']:.3f}, "
+          f"KVzip on {plural(meta['held_back'], 'held-back piece')}: top-10% {meta['top10_overlap']:.3f}, "
           f"top-25% {meta['top25_overlap']:.3f} per head (a random ranking's: 0.100, 0.250)")
     if args.kind != "linear":
         print(f"{args.kind} weights are read by --method learnedzip:scorer={args.kind}; the default method reads the "
               "linear scorer's (train-scorer without --kind)", file=sys.stderr)
     own = trained_path(scorer.model, args.kind)  # the cache's file for this model: read before any folder
+    searched = out is None or bool({out.resolve(), out.resolve().parent} & {f.resolve() for f in search_folders()})
+    steps = [] if searched else [f"set KVMERGE_SCORERS={out.resolve().parent} in the environment"]
     if out is not None and own.exists() and own.resolve() != out.resolve():
-        print(f"learnedzip reads {own}, trained here earlier, before any folder: delete it for {out} to be read",
-              file=sys.stderr)
-    elif out is not None and out.resolve().parent not in {f.resolve() for f in search_folders()}:
-        print(f"learnedzip finds it with KVMERGE_SCORERS={out.resolve().parent} in the environment", file=sys.stderr)
+        steps.insert(0, f"delete {own}, trained here earlier, which learnedzip reads before any folder")
+    if steps:
+        print(f"for learnedzip to read {out}: {' and '.join(steps)}", file=sys.stderr)
     return 0
 
 

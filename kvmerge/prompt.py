@@ -169,14 +169,16 @@ def validate(model, context_ids, question_ids, protocol, max_new_tokens, method,
     longest = max(len(c) + len(q) for c, q in zip(contexts, questions))
     if limit and longest + max_new_tokens > limit:
         question = longest - max(map(len, contexts))
-        room = limit - max_new_tokens - question  # the longest context that fits
+        room = limit - max_new_tokens - question  # the longest context row that fits
+        over = longest + max_new_tokens - limit  # by "at least": a context row may hold a chat template's tokens
         fewer = f"lower max_new_tokens to at most {limit - longest:,}"
         if room >= 1:
-            fix = f"shorten the context to at most {room:,} tokens" + (f" or {fewer}" if longest < limit else "")
+            fix = f"shorten the context by at least {plural(over, 'token')}" + (f" or {fewer}" if longest < limit else "")
         elif longest < limit:
             fix = fewer
         elif limit - question > 1:
-            fix = f"shorten the context to at most {limit - question - 1:,} tokens and lower max_new_tokens"
+            fix = (f"shorten the context by at least {plural(longest - limit + 1, 'token')} and lower "
+                   "max_new_tokens")
         else:
             fix = f"the question alone is {question:,} tokens: shorten it"
         generated = f" and up to {max_new_tokens:,} more are generated" if max_new_tokens > 1 else ""

@@ -348,14 +348,28 @@ def find(config, kind: str = "linear") -> Scorer:
 
 
 def search_folders() -> list[Path]:
-    """The folders `find` reads beyond `trained_path`: those of `$KVMERGE_SCORERS` (os.pathsep-separated),
-    then the shipped weights'."""
+    """The folders `find` reads beyond `trained_path`: those of `$KVMERGE_SCORERS` (os.pathsep-separated;
+    an entry may name a weights file instead), then the shipped weights'."""
     import os
 
     return [Path(p) for p in os.environ.get("KVMERGE_SCORERS", "").split(os.pathsep) if p] + [SHIPPED]
 
 
-_skipped: set[Path] = set()  # damaged files among the candidates, already reported
+_skipped: set[Path] = set()  # damaged files and missing folders among the candidates, already reported
+
+
+def _weights_in(entry: Path) -> list[Path]:
+    """The weights files of a folder searched (an entry of `$KVMERGE_SCORERS` may also name one file);
+    an entry that is neither is said once and passed over."""
+    if entry.is_dir():
+        return sorted(entry.glob("*.safetensors"))
+    if entry.is_file():
+        return [entry]
+    if entry not in _skipped:
+        _skipped.add(entry)
+        logging.getLogger("kvmerge").warning(f"kvmerge: KVMERGE_SCORERS names {entry}, which is not a folder or a file: "
+                                             "skipped")
+    return []
 
 
 def locate(config, kind: str = "linear") -> Path | None:
@@ -377,7 +391,7 @@ def locate(config, kind: str = "linear") -> Path | None:
         if meta.get("model") != key:
             Scorer.load(own, config)  # refused, naming both models, unless they fit this one
         return own
-    for path in (p for folder in search_folders() for p in sorted(folder.glob("*.safetensors"))):
+    for path in (p for folder in search_folders() for p in _weights_in(folder)):
         try:
             meta, _ = _read(path, tensors=False, anonymous=True)  # is it this model's, of this kind?
         except InputError as e:  # another file's damage is not this model's: skipped, said once

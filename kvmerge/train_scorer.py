@@ -156,6 +156,26 @@ def positions_needed(opening: int, length: int) -> int:
     return opening + length + KVZIP_PROMPT + min(length, KVZIP_CHUNK)
 
 
+def longest_fitting(opening: int, positions: int) -> int:
+    """The longest piece whose KVzip targets fit in `positions` (`positions_needed`; below `MIN_LENGTH`
+    when none does)."""
+    free = positions - opening - KVZIP_PROMPT
+    return max(min(KVZIP_CHUNK, free // 2), free - KVZIP_CHUNK)
+
+
+DEFAULT_LENGTH = 1024
+
+
+def piece_length(model, opening: int, length: int | None) -> int:
+    """`length`, or by default (None) `DEFAULT_LENGTH` or the longest piece the model's positions fit."""
+    from .model import max_positions
+
+    if length is not None:
+        return length
+    positions = max_positions(model)
+    return DEFAULT_LENGTH if positions is None else max(MIN_LENGTH, min(DEFAULT_LENGTH, longest_fitting(opening, positions)))
+
+
 def check_trainable(model, opening: int, length: int) -> None:
     """Refuse (`InputError`) what training cannot run on: a model with no layer to compress (sliding
     windows only), pieces too short to judge, or longer than the model's positions."""
@@ -169,10 +189,10 @@ def check_trainable(model, opening: int, length: int) -> None:
         raise InputError(f"pieces of {length} tokens are too short to train on: --length {MIN_LENGTH} at least")
     positions = max_positions(model)
     if positions is not None and positions_needed(opening, length) > positions:
-        fits = [n for n in range(MIN_LENGTH, positions, 64) if positions_needed(opening, n) <= positions]
+        fits = longest_fitting(opening, positions)
         raise InputError(f"pieces of {length} tokens need {positions_needed(opening, length):,} positions (the chat "
                          f"opening's {opening}, the piece, then KVzip's prompt and its repeat of the piece), beyond the "
-                         f"model's {positions:,}" + (f": --length {fits[-1]} at most" if fits else ""))
+                         f"model's {positions:,}" + (f": --length {fits} at most" if fits >= MIN_LENGTH else ""))
 
 
 TARGETS = ("log", "rank")
@@ -200,10 +220,11 @@ def calibration(scorer: Scorer, sample: list[tuple[list, list]]) -> tuple[torch.
     return torch.stack(xs).contiguous(), torch.stack(ys).contiguous()
 
 
-def train(model, tokenizer, texts: int = 100, held: int = 6, length: int = 1024, seed: int = 0, ridge: float = 1e-2,
+def train(model, tokenizer, texts: int = 100, held: int = 6, length: int | None = None, seed: int = 0, ridge: float = 1e-2,
           kind: str = "linear", hidden: int = 64, epochs: int = 8, rows_per_text: int = 512, target: str = "log",
           progress=None) -> Scorer:
-    """Fit the scorer of `kind` on `texts` pieces of `length` tokens (an MLP on `rows_per_text` random
+    """Fit the scorer of `kind` on `texts` pieces of `length` tokens (`piece_length`: by default 1,024,
+    or the longest the model's positions fit; an MLP on `rows_per_text` random
     tokens of each) to `target` (`fitted_target`; "rank" adds a calibration from `CALIBRATION_ROWS`
     random tokens of each piece); report its agreement with KVzip on `held` other pieces (`meta`: top-10%
     and top-25% overlap per head, away from the sinks and the last 32)."""
@@ -217,6 +238,12 @@ def train(model, tokenizer, texts: int = 100, held: int = 6, length: int = 1024,
         raise InputError(f"training needs at least one piece to fit and one held back, got texts={texts}, held={held}")
     sinks, window = 4, 32
     head = _opening(tokenizer)
+    asked, length = length, piece_length(model, len(head), length)
+    if asked is None and length != DEFAULT_LENGTH:
+        import logging
+
+        logging.getLogger("kvmerge").warning(f"kvmerge: pieces of {length} tokens, the longest this model's positions "
+                                             f"fit ({DEFAULT_LENGTH} where they do)")
     check_trainable(model, len(head), length)
     chosen = pieces(tokenizer, corpus(), length, seed)
     if len(chosen) < texts + held:

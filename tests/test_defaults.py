@@ -151,8 +151,8 @@ def test_training_into_another_models_weights_is_refused_before_training(monkeyp
                                          kind="linear", hidden=64, epochs=8, target="log", no_progress=True,
                                  debug=False))
     err = capsys.readouterr().err
-    assert out.exists() and f"learnedzip reads {trained_path(model.config)}, trained here earlier, before any " \
-        f"folder: delete it for {out} to be read" in err
+    assert out.exists() and f"for learnedzip to read {out}: delete {trained_path(model.config)}, trained here " \
+        f"earlier, which learnedzip reads before any folder and set KVMERGE_SCORERS={tmp_path} in the environment" in err
 
 
 def test_training_with_a_tokenizer_that_is_not_the_models_is_refused_naming_it(monkeypatch):

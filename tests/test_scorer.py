@@ -363,8 +363,17 @@ def test_training_refuses_what_it_cannot_train_on_before_any_piece(monkeypatch):
     monkeypatch.setattr(ts, "examples", lambda *a: pytest.fail("a piece ran"))
     with pytest.raises(InputError, match="too short to train on: --length 64 at least"):
         ts.train(tiny_model(), TinyTokenizer(), length=40)
-    with pytest.raises(InputError, match="need 7,112 positions .* beyond the model's 4,096: --length 1984 at most"):
+    with pytest.raises(InputError, match="need 7,112 positions .* beyond the model's 4,096: --length 2016 at most"):
         ts.train(tiny_model(), TinyTokenizer(), length=5000)
+    ts.check_trainable(tiny_model(), 0, 2016)  # the length named fits exactly: one more does not
+    with pytest.raises(InputError, match="--length 2016 at most"):
+        ts.check_trainable(tiny_model(), 0, 2017)
+    assert ts.piece_length(tiny_model(), 0, None) == 1024  # the default where it fits
+    small = tiny_model(max_position_embeddings=512)
+    assert ts.piece_length(small, 7, None) == ts.longest_fitting(7, 512) == 220  # else the longest that fits
+    ts.check_trainable(small, 7, 220)
+    with pytest.raises(InputError, match="--length 220 at most"):
+        ts.check_trainable(small, 7, 221)
     with pytest.raises(InputError, match="ridge penalty must be >= 0"):
         ts.train(tiny_model(), TinyTokenizer(), ridge=-1)
     monkeypatch.setattr(ts, "corpus", lambda: ["abcdefghij" * 40])
@@ -453,3 +462,17 @@ def test_the_training_text_is_pythons_own_library_wherever_python_lives(tmp_path
     monkeypatch.setattr(ts.os, "__file__", str(stdlib / "os.py"))
     monkeypatch.setattr(ts, "PERL_PODS", ())
     assert [t.split(" of ")[0] for t in ts.corpus()] == ["json/decoder.py", "os.py", "shelve.py"]
+
+
+def test_kvmerge_scorers_may_name_a_weights_file_and_a_missing_entry_is_said_once(tmp_path, monkeypatch, caplog):
+    model = tiny_model(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    path = tmp_path / "mine.safetensors"
+    _weights_for(model).save(path)
+    missing = tmp_path / "nowhere"
+    monkeypatch.setenv("KVMERGE_SCORERS", f"{missing}{os.pathsep}{path}")
+    monkeypatch.setattr(scorer_module, "_skipped", set())
+    with caplog.at_level("WARNING", logger="kvmerge"):
+        assert scorer_module.locate(model.config) == path
+        assert scorer_module.locate(model.config) == path
+    told = [r.getMessage() for r in caplog.records if "KVMERGE_SCORERS" in r.getMessage()]
+    assert told == [f"kvmerge: KVMERGE_SCORERS names {missing}, which is not a folder or a file: skipped"]

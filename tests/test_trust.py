@@ -68,6 +68,18 @@ def test_contexts_beyond_the_model_positions_are_refused_with_both_numbers(no_fo
             kv.prefill(ctx)
 
 
+def test_the_context_too_long_fix_names_tokens_to_cut_that_make_it_fit(no_forward):
+    """The cut is counted from the whole prompt, so it holds when the context row carries a chat template."""
+    from kvmerge.prompt import validate
+
+    ctx, method = random_ids(4100), kvmerge.get_method("snapkv", budget=0.25)
+    with pytest.raises(ContextTooLongError, match=r"shorten the context by at least 38 tokens"):
+        validate(no_forward, [ctx], [[3, 4]], "agnostic", 32, method)
+    validate(no_forward, [ctx[:-38]], [[3, 4]], "agnostic", 32, method)  # fits: no error
+    with pytest.raises(ContextTooLongError, match="by at least 1 token "):
+        validate(no_forward, [ctx[:-37]], [[3, 4]], "agnostic", 32, method)
+
+
 def test_parameter_types_and_runtime_refusals_come_before_any_forward(no_forward, monkeypatch):
     ctx = random_ids(300)
     with pytest.raises(ParameterTypeError, match="kernel must be a whole number"):
