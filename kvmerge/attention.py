@@ -30,6 +30,25 @@ def fused_kernels(device: torch.device):
     return sdpa_kernel(CUDA_KERNELS) if device.type == "cuda" else nullcontext()
 
 
+SMALL_CALL = 1 << 20  # multiply-adds below which a CPU attention call runs on one thread
+
+
+@contextmanager
+def one_thread(device: torch.device, work: int):
+    """On the CPU, for calls of at most `SMALL_CALL` multiply-adds (`work`), torch's intra-op threads
+    set to one inside the block (restored after): there a call's parallel region costs more than it
+    splits, most of all on a loaded machine, where threads wait for busy cores."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1 or work > SMALL_CALL:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def attention_bias(log_n: torch.Tensor, q_len: int, dtype: torch.dtype, window=None) -> torch.Tensor:
     """Additive bias `(batch, kv_heads, q_len, slots)`: log_n, causal over the last `q_len` slots, or
     with `window = (w, key_positions (b, s), query_positions (b, q))` visible iff 0 ≤ q_pos − k_pos < w.
@@ -96,9 +115,10 @@ def ragged_sdpa(query, keys, values, log_n, spans, scaling=None):
     if q == 1 and (log_n is None or not decode_kernel.available(query)):  # a decoding step
         grouped = query.reshape(b, hkv, rep, d)  # each KV head's query heads as its queries (GQA)
         bias = None if log_n is None else log_n.to(query.dtype)[:, None, None]
-        outs = [F.scaled_dot_product_attention(grouped[:, i:i + 1], keys[:, None, s:s + n], values[:, None, s:s + n],
-                                               attn_mask=None if bias is None else bias[..., s:s + n], scale=scaling)
-                for i, (s, n) in enumerate(spans)]
+        with one_thread(query.device, b * rep * d * max(n for _, n in spans)):  # one small call per KV head
+            outs = [F.scaled_dot_product_attention(grouped[:, i:i + 1], keys[:, None, s:s + n], values[:, None, s:s + n],
+                                                   attn_mask=None if bias is None else bias[..., s:s + n], scale=scaling)
+                    for i, (s, n) in enumerate(spans)]
         return torch.cat(outs, dim=1).reshape(b, hq, 1, values.shape[-1]).transpose(1, 2)
     outs = []
     for i, (start, n) in enumerate(spans):  # a chunk (causal over its tokens), or the GPU's decoding kernel

@@ -199,3 +199,25 @@ def test_compressing_on_the_packed_buffers_equals_compressing_each_padded_copy(s
         name = kvmerge.get_method(spec).name
         carried, general_carried = packed.states[i].scratch[name], general.states[i].scratch[name]
         assert all(torch.equal(carried[r], general_carried[r]) for r in range(batch))
+
+
+def test_small_decoding_calls_run_on_one_thread_and_the_count_comes_back(monkeypatch):
+    """Each KV head's decoding call is small: on the CPU it runs on one thread (a parallel region costs more
+    than it splits, most on a loaded machine); a large call keeps the threads, and the count is restored."""
+    import kvmerge.attention as attention
+
+    seen = []
+    real = attention.F.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda *a, **k: (seen.append(torch.get_num_threads()), real(*a, **k))[1])
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: max(threads, 2))  # as on a machine of 2 threads or more
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    q, keys, values = torch.randn(1, 4, 1, 8), torch.randn(1, 30, 8), torch.randn(1, 30, 8)
+    attention.ragged_sdpa(q, keys, values, None, ((0, 10), (10, 20)))
+    assert set_to == [1, max(threads, 2)] and len(seen) == 2
+    set_to.clear()
+    monkeypatch.setattr(attention, "SMALL_CALL", 10)
+    attention.ragged_sdpa(q, keys, values, None, ((0, 10), (10, 20)))
+    assert set_to == []
