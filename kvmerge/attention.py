@@ -160,8 +160,11 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, kvme
         raise ValueError("a sliding-window layer under kvmerge attention needs a kvmerge cache (kvmerge.MergedCache "
                          "or kvmerge.compressing), which carries the positions its window mask needs")
     window_binds = kvmerge_window is not None and kv_len > kvmerge_window[0]
+    small = one_thread(query.device, query.shape[0] * query.shape[1] * query.shape[3] * kv_len) if q_len == 1 \
+        else nullcontext()  # a decoding step
     if kvmerge_log_n is None and q_len == 1 and not window_binds:
-        out = packed_sdpa(query, key, value, None, scaling)  # a decoding step on a plain cache
+        with small:
+            out = packed_sdpa(query, key, value, None, scaling)  # a decoding step on a plain cache
     elif kvmerge_log_n is None and kv_len == q_len and not window_binds:
         out, _ = sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
                                         is_causal=True, **kwargs)
@@ -169,7 +172,8 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, kvme
         log_n = kvmerge_log_n
         if log_n is None:
             log_n = torch.zeros(key.shape[:3], dtype=torch.float32, device=key.device)
-        out = biased_sdpa(query, key, value, log_n, scaling, kvmerge_window if window_binds else None)
+        with small:
+            out = biased_sdpa(query, key, value, log_n, scaling, kvmerge_window if window_binds else None)
     return out
 
 
