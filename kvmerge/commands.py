@@ -344,6 +344,9 @@ def train_scorer(args) -> int:
     print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB) in {time.perf_counter() - start:.0f} s; agreement with "
           f"KVzip on {plural(meta['held_back'], 'held-back piece')}: top-10% {meta['top10_overlap']:.3f}, "
           f"top-25% {meta['top25_overlap']:.3f} per head (a random ranking's: 0.100, 0.250)")
+    if meta["top10_overlap"] <= 0.1 or meta["top25_overlap"] <= 0.25:
+        print("these weights rank no better than chance on the held-back pieces: train on more or longer pieces "
+              "(--texts, --length)", file=sys.stderr)
     if args.kind != "linear":
         print(f"{args.kind} weights are read by --method learnedzip:scorer={args.kind}; the default method reads the "
               "linear scorer's (train-scorer without --kind)", file=sys.stderr)

@@ -307,3 +307,24 @@ def test_rows_of_different_lengths_run_the_default_with_one_count_per_layer_and_
             kvmerge.generate_ids(model, rows, questions, spec, max_new_tokens=2)
     hook.remove()
     assert calls == []
+
+
+def test_weights_that_rank_no_better_than_chance_are_said_so(monkeypatch, tmp_path, capsys):
+    from kvmerge.commands import train_scorer
+
+    model = no_weights()
+    out = tmp_path / "mine.safetensors"
+    ts = _train_tiny(monkeypatch, model)
+    real = ts.train
+
+    def chance(*a, **k):
+        scorer = real(*a, **k)
+        scorer.meta.update(top10_overlap=0.08, top25_overlap=0.3)
+        return scorer
+
+    monkeypatch.setattr(ts, "train", chance)
+    train_scorer(SimpleNamespace(model=None, out=str(out), texts=3, held=1, length=96, seed=0, ridge=1e-2,
+                                 kind="linear", hidden=64, epochs=8, target="log", no_progress=True, debug=False))
+    captured = capsys.readouterr()
+    assert "1 held-back piece:" in captured.out
+    assert "rank no better than chance on the held-back pieces: train on more or longer pieces" in captured.err
