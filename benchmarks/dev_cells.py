@@ -11,6 +11,16 @@ CELLS = [("ruler", ["single_number", "single_uuid", "multivalue", "multiquery"],
          ("family", ["same_template_2", "same_template_4", "same_template_8"], "docs", 2048, 10)]
 
 
+def add_arguments(parser, methods: str) -> None:
+    """The dev runs' options: `--methods` (default `methods`), `--first`/`--cells` (a slice of `CELLS`),
+    `--budgets`, `--threads`."""
+    parser.add_argument("--methods", default=methods)
+    parser.add_argument("--first", type=int, default=0, help="1: skip the needles")
+    parser.add_argument("--cells", type=int, default=len(CELLS), help="1: the needles only")
+    parser.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.1, 0.25])
+    parser.add_argument("--threads", type=int, default=2)
+
+
 def run_cells(model, tok, model_name: str, methods: list[str], budgets: list[float], out: str,
               first: int = 0, last: int = len(CELLS)) -> None:
     """Run `methods` at `budgets` on `CELLS[first:last]`, printing each summary row."""

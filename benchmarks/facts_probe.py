@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass
 
 import torch
-from dev_cells import run_cells
+from dev_cells import add_arguments, run_cells
 
 import kvmerge
 from kvmerge import train_scorer
@@ -110,11 +110,7 @@ def main():
     ap.add_argument("--weights", default="/tmp/facts.safetensors")
     ap.add_argument("--every", type=int, default=1000, help="characters of text per inserted record")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--methods", default="factzip")
-    ap.add_argument("--first", type=int, default=0, help="1: skip the needles")
-    ap.add_argument("--cells", type=int, default=2, help="1: the needles only")
-    ap.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.1, 0.25])
-    ap.add_argument("--threads", type=int, default=2)
+    add_arguments(ap, "factzip")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.step == "fit":

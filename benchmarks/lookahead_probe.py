@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from dev_cells import run_cells
+from dev_cells import add_arguments, run_cells
 from probe_lookahead import judge
 from scorer_probe import SINKS, WINDOW, design, stage_two
 
@@ -140,7 +140,7 @@ def fit(args):
 def dev(args):
     model, tok = kvmerge.load_model(args.model)
     methods = [f"lookzip:weights={args.weights}" if m == "lookzip" else m for m in args.methods.split(",")]
-    run_cells(model, tok, args.model, methods, args.budgets, args.out, 0, args.cells)
+    run_cells(model, tok, args.model, methods, args.budgets, args.out, args.first, args.cells)
 
 
 def main():
@@ -150,10 +150,7 @@ def main():
     ap.add_argument("--train", type=int, default=24)
     ap.add_argument("--out", default="/tmp/look.pt")
     ap.add_argument("--weights", default="/tmp/look.pt")
-    ap.add_argument("--methods", default="learnedzip,lookzip")
-    ap.add_argument("--cells", type=int, default=2, help="1: the needles only")
-    ap.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.1, 0.25])
-    ap.add_argument("--threads", type=int, default=2)
+    add_arguments(ap, "learnedzip,lookzip")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.step == "fit":
