@@ -38,15 +38,26 @@ def one_thread(device: torch.device, work: int):
     """On the CPU, for calls of at most `SMALL_CALL` multiply-adds (`work`), torch's intra-op threads
     set to one inside the block (restored after): there a call's parallel region costs more than it
     splits, most of all on a loaded machine, where threads wait for busy cores."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1 or work > SMALL_CALL:
+    if device.type != "cpu" or work > SMALL_CALL:
         yield
         return
-    torch.set_num_threads(1)
+    with _threads_lock:  # the count is the process's: the first block in saves it, the last out restores it
+        if _one_thread["open"] == 0:
+            _one_thread["saved"] = torch.get_num_threads()
+            if _one_thread["saved"] != 1:
+                torch.set_num_threads(1)
+        _one_thread["open"] += 1
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        with _threads_lock:
+            _one_thread["open"] -= 1
+            if _one_thread["open"] == 0 and _one_thread["saved"] != 1:
+                torch.set_num_threads(_one_thread["saved"])
+
+
+_threads_lock = threading.Lock()
+_one_thread = {"open": 0, "saved": 1}  # one_thread blocks open in any thread, the count they found
 
 
 def attention_bias(log_n: torch.Tensor, q_len: int, dtype: torch.dtype, window=None) -> torch.Tensor:

@@ -221,3 +221,40 @@ def test_small_decoding_calls_run_on_one_thread_and_the_count_comes_back(monkeyp
     monkeypatch.setattr(attention, "SMALL_CALL", 10)
     attention.ragged_sdpa(q, keys, values, None, ((0, 10), (10, 20)))
     assert set_to == []
+
+
+def test_one_thread_blocks_overlapping_in_two_threads_give_the_count_back():
+    """The thread count is the process's: blocks open in two threads at once (a server's requests) leave it
+    as they found it, whichever closes first."""
+    import threading
+
+    from kvmerge.attention import one_thread
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+        inside = []
+
+        def first():
+            with one_thread(torch.device("cpu"), 1):
+                a_in.set()
+                b_in.wait(10)
+                inside.append(torch.get_num_threads())
+            a_out.set()
+
+        def second():
+            a_in.wait(10)
+            with one_thread(torch.device("cpu"), 1):
+                b_in.set()
+                a_out.wait(10)
+                inside.append(torch.get_num_threads())
+
+        threads = [threading.Thread(target=f) for f in (first, second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert inside == [1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
