@@ -391,7 +391,10 @@ def locate(config, kind: str = "linear") -> Path | None:
         if meta.get("model") != key:
             Scorer.load(own, config)  # refused, naming both models, unless they fit this one
         return own
+    found = []  # this model's files of this kind, in the order searched; the shipped folder's once one is found
     for path in (p for folder in search_folders() for p in _weights_in(folder)):
+        if found and path.parent == SHIPPED:
+            break
         try:
             meta, _ = _read(path, tensors=False, anonymous=True)  # is it this model's, of this kind?
         except InputError as e:  # another file's damage is not this model's: skipped, said once
@@ -401,8 +404,18 @@ def locate(config, kind: str = "linear") -> Path | None:
             continue
         if meta.get("model") in keys and meta.get("kind", "linear") == kind \
                 and (meta["model"] == keys[0] or _fits(path, config)):
-            return path
-    return None
+            if path.parent == SHIPPED:
+                return path
+            found.append(path)
+    if len(found) > 1 and tuple(found) not in _told:
+        _told.add(tuple(found))
+        logging.getLogger("kvmerge").warning(f"kvmerge: {len(found)} weights files for this model in $KVMERGE_SCORERS: "
+                                             f"{found[0]} is read (the first in its order), not "
+                                             f"{', '.join(map(str, found[1:]))}")
+    return found[0] if found else None
+
+
+_told: set[tuple] = set()  # sets of this model's files found together, already said
 
 
 def _fits(path: Path, config) -> bool:

@@ -476,3 +476,20 @@ def test_kvmerge_scorers_may_name_a_weights_file_and_a_missing_entry_is_said_onc
         assert scorer_module.locate(model.config) == path
     told = [r.getMessage() for r in caplog.records if "KVMERGE_SCORERS" in r.getMessage()]
     assert told == [f"kvmerge: KVMERGE_SCORERS names {missing}, which is not a folder or a file: skipped"]
+
+
+def test_two_weights_files_for_one_model_in_the_folders_searched_are_said_naming_the_one_read(tmp_path, monkeypatch,
+                                                                                              caplog):
+    model = tiny_model(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder in (first, second):
+        folder.mkdir()
+        _weights_for(model).save(folder / "w.safetensors")
+    monkeypatch.setenv("KVMERGE_SCORERS", f"{second}{os.pathsep}{first}")
+    monkeypatch.setattr(scorer_module, "_told", set())
+    with caplog.at_level("WARNING", logger="kvmerge"):
+        assert scorer_module.locate(model.config) == second / "w.safetensors"
+        assert scorer_module.locate(model.config) == second / "w.safetensors"
+    told = [r.getMessage() for r in caplog.records if "weights files for this model" in r.getMessage()]
+    assert told == [f"kvmerge: 2 weights files for this model in $KVMERGE_SCORERS: {second / 'w.safetensors'} is read "
+                    f"(the first in its order), not {first / 'w.safetensors'}"]
