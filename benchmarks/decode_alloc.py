@@ -1,7 +1,7 @@
 """Decode speed of global per-head allocation (each KV head at its own length) against the same
 method with uniform allocation and against the full cache, side by side in one run: every round
-times `--steps` decode steps of each cache in turn (alternated, median of rounds, so the machine's
-noise hits all alike). Prints decode ms/step, the ratio to the uniform and to the full cache, and
+times `--steps` decode steps of each cache in turn (alternated, each first in turn, median of rounds,
+so the machine's noise and the order hit all alike). Prints decode ms/step, the ratio to the uniform and to the full cache, and
 the cache's bytes.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode_alloc.py --lengths 2048 --batches 1,8
@@ -68,8 +68,9 @@ def main():
                 group = {"full": caches["full"], "uniform": caches[f"{name}:uniform"], "head": caches[f"{name}:head"]}
                 mib = {k: s.cache.nbytes / 2**20 for k, (s, _, _) in group.items()}
                 ms = {k: [] for k in group}
-                for _ in range(args.rounds):
-                    for k, (s, first, _) in group.items():
+                for r in range(args.rounds):
+                    order = list(group)[r % 3:] + list(group)[:r % 3]  # each layout first in turn
+                    for k, (s, first, _) in ((k, group[k]) for k in order):
                         token = [[int(t)] for t in first.argmax(-1)]
                         snap = s.snapshot()
                         t0 = time.perf_counter()
