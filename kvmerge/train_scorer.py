@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import glob
+import logging
 import os
 import random
 import time
@@ -240,8 +241,6 @@ def train(model, tokenizer, texts: int = 100, held: int = 6, length: int | None 
     head = _opening(tokenizer)
     asked, length = length, piece_length(model, len(head), length)
     if asked is None and length != DEFAULT_LENGTH:
-        import logging
-
         logging.getLogger("kvmerge").warning(f"kvmerge: pieces of {length} tokens, the longest this model's positions "
                                              f"fit ({DEFAULT_LENGTH} where they do)")
     check_trainable(model, len(head), length)
@@ -382,10 +381,6 @@ def _elsewhere(config, kind: str = "linear") -> Path | None:
 
 
 def _train_and_save(model, tokenizer, path: Path, shadows: Path | None = None, **kwargs) -> Path:
-    import logging
-
-    from .scorer import Scorer
-
     log = logging.getLogger("kvmerge")
     scorer = train(model, tokenizer, **kwargs)
     if path.exists():
